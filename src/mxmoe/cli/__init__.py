@@ -1,0 +1,149 @@
+"""The ``mxmoe`` command line.
+
+    mxmoe train [flags]     train the MoE LM under a precision recipe (CPU or GPU)
+
+Every flag has a help text (``mxmoe train --help``). Bad flags stop with a message that
+names the value and what would work, before any data is read or any model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..model import QUANTIZABLE, ModelConfig
+from ..recipe import RECIPES
+from ..training import TrainConfig, load_corpus, train
+
+
+def _csv_choices(choices):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [t for t in items if t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``mxmoe train`` (shared with commands that train)."""
+    d, m = TrainConfig(), ModelConfig()
+    g = p.add_argument_group("recipe")
+    g.add_argument("--recipe", default=d.recipe, choices=list(RECIPES),
+                   help="precision recipe of the GEMMs (default: %(default)s)")
+    g.add_argument("--quantize", type=_csv_choices(QUANTIZABLE), default=m.quantized,
+                   help="comma-separated GEMMs that follow the recipe; the rest stay in high precision "
+                        f"(default: {','.join(m.quantized)}; choices: {','.join(QUANTIZABLE)})")
+    g.add_argument("--dtype", default=m.dtype, choices=["bfloat16", "float32", "float16"],
+                   help="activation dtype (parameters are float32) (default: %(default)s)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int, default=m.n_layers, help="transformer blocks (default: %(default)s)")
+    g.add_argument("--width", type=int, default=m.d_model, help="model width d_model (default: %(default)s)")
+    g.add_argument("--heads", type=int, default=m.n_heads, help="attention heads (default: %(default)s)")
+    g.add_argument("--experts", type=int, default=m.n_experts, help="experts per MoE layer (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=m.top_k, help="experts per token (default: %(default)s)")
+    g.add_argument("--expert-width", type=int, default=m.d_expert,
+                   help="hidden width of each SwiGLU expert (default: %(default)s)")
+    g.add_argument("--moe-every", type=int, default=m.moe_every,
+                   help="MoE feed-forward in every n-th block, dense SwiGLU elsewhere (default: %(default)s)")
+    g.add_argument("--dense-width", type=int, default=m.d_ff_dense,
+                   help="hidden width of dense SwiGLU blocks (default: %(default)s)")
+    g.add_argument("--shared-expert", type=int, default=m.shared_expert,
+                   help="hidden width of a shared expert, 0 for none (default: %(default)s)")
+    g.add_argument("--aux-loss-coef", type=float, default=m.aux_loss_coef,
+                   help="weight of the load-balancing loss (default: %(default)s)")
+    g.add_argument("--z-loss-coef", type=float, default=m.z_loss_coef,
+                   help="weight of the router z-loss (default: %(default)s)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size (default: the corpus's, 256 for bytes)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None,
+                   help="text file, directory of text files, or uint16 .bin token file "
+                        "(default: the Python standard library's source)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: %(default)s)")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps (default: %(default)s)")
+    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="final lr as a fraction of the peak, after cosine decay (default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip,
+                   help="max global gradient norm, 0 to disable (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="initialization and data-order seed (default: %(default)s)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--eval-interval", type=int, default=d.eval_interval,
+                   help="evaluate every n steps, and at the start and end (default: %(default)s)")
+    g.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="batches per evaluation and split (default: %(default)s)")
+    g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
+                   help="checkpoint every n steps, 0 for only at the end (default: %(default)s)")
+    g.add_argument("--out-dir", default=d.out_dir,
+                   help="output directory: config.json, metrics.jsonl, checkpoint.pt (default: %(default)s)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
+    """Build and validate a TrainConfig from parsed flags.
+
+    Raises:
+        ValueError: a bad combination (for example top-k > experts).
+    """
+    model = ModelConfig(
+        vocab_size=args.vocab_size or vocab_size, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
+        n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,
+        d_ff_dense=args.dense_width, shared_expert=args.shared_expert, max_seq_len=args.seq_len,
+        aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, quantized=args.quantize, dtype=args.dtype,
+    )
+    cfg = TrainConfig(
+        recipe=args.recipe, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
+        ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
+        progress=not args.no_progress, model=model,
+    )
+    cfg.validate()
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    corpus = load_corpus(args.data)
+    cfg = config_from_args(args, corpus.vocab_size)
+    r = train(cfg, resume=args.resume, corpus=corpus)
+    print(f"done: {r.steps} steps in {r.wall_s:.1f} s | train loss {r.first_loss:.4f} -> {r.last_loss:.4f} "
+          f"| val loss {r.first_val_loss:.4f} -> {r.last_val_loss:.4f} | {r.tokens_per_s:,.0f} tok/s "
+          f"| {r.ms_per_step:.0f} ms/step | peak {r.peak_mem_gib:.2f} GiB | {r.out_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mxmoe", description="MXFP8 Mixture-of-Experts training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train the MoE language model",
+                       description="Train an MoE language model under a precision recipe.")
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mxmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mxmoe {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",
+              file=sys.stderr)
+        return 130

@@ -1,0 +1,194 @@
+"""The MoE feed-forward layer: router, token dispatch, SwiGLU experts, weighted combine.
+
+Legend of shape suffixes: T tokens, D model width, F expert hidden width, E experts,
+k top-k, A = T * k routed assignments.
+
+Data flow (dropless: every token reaches its k experts, no capacity factor):
+
+    x_TD --router (float32)--> top-k experts and weights per token
+         --sort assignments by expert--> x_AD rows grouped by expert, offsets_E
+         --mx_grouped_mm(w13_E2FD)--> gate, up --silu(gate) * up--> h_AF
+         --mx_grouped_mm(w2_EDF)--> y_AD --unpermute, weight, sum over k--> y_TD
+
+Every gather and scatter here has a deterministic backward: the assignment order is a
+permutation, so no two rows land on one destination.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops import mx_grouped_mm, mx_linear
+from ..recipe import Recipe
+
+
+@dataclass
+class RouterOutput:
+    """Result of routing T tokens to k of E experts.
+
+    Attributes:
+        weights_Tk: float32 (T, k), top-k probabilities renormalized to sum to 1.
+        experts_Tk: int64 (T, k), expert index of each choice (ties: lower index first).
+        logits_TE: float32 (T, E) router logits.
+        probs_TE: float32 (T, E) softmax over experts.
+    """
+
+    weights_Tk: Tensor
+    experts_Tk: Tensor
+    logits_TE: Tensor
+    probs_TE: Tensor
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k router in float32 (softmax over experts, top-k renormalized).
+
+    Args:
+        d_model: D. n_experts: E. top_k: k (1 <= k <= E).
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x_TD: Tensor) -> RouterOutput:
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        # topk on probs; a stable sort by descending value keeps the lower index first on ties
+        weights_Tk, experts_Tk = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
+        weights_Tk, experts_Tk = weights_Tk[:, : self.top_k], experts_Tk[:, : self.top_k]
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return RouterOutput(weights_Tk, experts_Tk, logits_TE, probs_TE)
+
+
+def load_balancing_loss(probs_TE: Tensor, experts_Tk: Tensor) -> Tensor:
+    """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (Fedus et al. 2021, eq. 4).
+
+    f_e: fraction of the T * k assignments routed to expert e (no gradient);
+    P_e: mean router probability of expert e. Equals 1 under uniform routing.
+
+    Returns:
+        float32 scalar.
+    """
+    T, E = probs_TE.shape
+    counts_E = torch.bincount(experts_Tk.reshape(-1), minlength=E).to(probs_TE.dtype)
+    f_E = counts_E / max(experts_Tk.numel(), 1)
+    P_E = probs_TE.mean(dim=0)
+    return E * torch.sum(f_E * P_E)
+
+
+def router_z_loss(logits_TE: Tensor) -> Tensor:
+    """Router z-loss mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5)."""
+    return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU experts held as 3-D weights: w13 (E, 2F, D) = [gate; up], w2 (E, D, F).
+
+    Args:
+        n_experts: E. d_model: D. d_hidden: F. n_layers: used to scale w2's init
+            (std 0.02 / sqrt(2 * n_layers), GPT-2 style residual scaling).
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_hidden: int, n_layers: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * d_hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_hidden))
+        nn.init.normal_(self.w13, std=0.02)
+        nn.init.normal_(self.w2, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, x_AD: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+        """x_AD: (A, D) rows sorted by expert; offsets_E: (E,) int32. Returns (A, D)."""
+        h_A2F = mx_grouped_mm(x_AD, self.w13, offsets_E, recipe)  # (A, D) x (E, 2F, D) -> (A, 2F)
+        gate_AF, up_AF = h_A2F.chunk(2, dim=-1)
+        act_AF = F.silu(gate_AF) * up_AF
+        return mx_grouped_mm(act_AF, self.w2, offsets_E, recipe)  # (A, F) x (E, D, F) -> (A, D)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU feed-forward (also the optional shared expert): w13 (2F, D), w2 (D, F)."""
+
+    def __init__(self, d_model: int, d_hidden: int, n_layers: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(2 * d_hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(d_model, d_hidden))
+        nn.init.normal_(self.w13, std=0.02)
+        nn.init.normal_(self.w2, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, x: Tensor, recipe: Recipe) -> Tensor:
+        gate, up = mx_linear(x, self.w13, recipe).chunk(2, dim=-1)
+        return mx_linear(F.silu(gate) * up, self.w2, recipe)
+
+
+@dataclass
+class MoEAux:
+    """Auxiliary outputs of one MoE layer forward.
+
+    Attributes:
+        aux_loss: float32 scalar load-balancing loss (unweighted).
+        z_loss: float32 scalar router z-loss (unweighted).
+        tokens_per_expert: int64 (E,), assignments each expert received (detached).
+    """
+
+    aux_loss: Tensor
+    z_loss: Tensor
+    tokens_per_expert: Tensor
+
+
+class MoELayer(nn.Module):
+    """Dropless token-choice top-k MoE feed-forward with SwiGLU experts.
+
+    Args:
+        d_model: D. n_experts: E. top_k: k. d_expert: F, hidden width of each expert.
+        n_layers: model depth (init scaling). shared_expert_hidden: F_s > 0 adds a dense
+            SwiGLU shared expert of that width whose output is added to every token.
+        recipe: precision of the expert (and shared expert) GEMMs. The router always runs
+            in float32.
+
+    Forward: ``x`` (..., D) in the activation dtype -> (y (..., D), :class:`MoEAux`).
+    After each forward, ``last_tokens_per_expert`` holds the (E,) token counts.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, d_expert: int, n_layers: int,
+                 recipe: Recipe, shared_expert_hidden: int = 0):
+        super().__init__()
+        self.n_experts, self.top_k, self.recipe = n_experts, top_k, recipe
+        self.router = TopKRouter(d_model, n_experts, top_k)
+        self.experts = SwiGLUExperts(n_experts, d_model, d_expert, n_layers)
+        self.shared = SwiGLU(d_model, shared_expert_hidden, n_layers) if shared_expert_hidden > 0 else None
+        self.last_tokens_per_expert: Tensor | None = None
+
+    def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        T, D = x_TD.shape
+        k = self.top_k
+        r = self.router(x_TD)
+        # dispatch: assignments a = t * k + j, sorted by expert (stable: token order kept)
+        experts_A = r.experts_Tk.reshape(-1)
+        order_A = torch.argsort(experts_A, stable=True)
+        counts_E = torch.bincount(experts_A, minlength=self.n_experts)
+        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
+        x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
+        y_sorted_AD = self.experts(x_sorted_AD, offsets_E, self.recipe)
+        # combine: undo the permutation, weight each choice, sum over k
+        y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
+        y_TD = (y_AD.view(T, k, D) * r.weights_Tk.to(y_AD.dtype).unsqueeze(-1)).sum(dim=1)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD, self.recipe)
+        self.last_tokens_per_expert = counts_E.detach()
+        aux = MoEAux(
+            aux_loss=load_balancing_loss(r.probs_TE, r.experts_Tk),
+            z_loss=router_z_loss(r.logits_TE),
+            tokens_per_expert=self.last_tokens_per_expert,
+        )
+        return y_TD.reshape(shape), aux

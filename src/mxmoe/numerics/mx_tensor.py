@@ -1,0 +1,201 @@
+"""Public MX quantization API: :func:`quantize_mx`, :func:`dequantize_mx`, :class:`MXTensor`.
+
+Layout conventions (shared by every backend):
+- ``qdata`` keeps the logical shape of the (padded) input, contiguous, with the blocked
+  dimension where it was; FP4 packs two elements per byte along the blocked dimension,
+  so that dimension is halved there.
+- ``scale`` has the input's shape with the blocked dimension divided by ``block_size``,
+  contiguous, dtype ``torch.float8_e8m0fnu``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
+from .reference import decode_elements, pack_fp4, torch_dequantize_blocks, torch_quantize_blocks, unpack_fp4
+
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class MXTensor:
+    """A tensor quantized to an MX format: element codes plus one E8M0 scale per block.
+
+    Attributes:
+        qdata: element codes, shape of the padded input (blocked dim halved for FP4);
+            dtype ``float8_e4m3fn`` / ``float8_e5m2`` (FP8), ``uint8`` one element per byte
+            (FP6: sign, exponent, mantissa in the low 6 bits), ``float4_e2m1fn_x2``
+            (FP4, two per byte, even index in the low nibble) or ``int8`` (INT8, value
+            code / 64).
+        scale: ``float8_e8m0fnu``, the padded input's shape with ``dim`` divided by
+            ``block_size``; byte b stands for 2^(b - 127), 255 for NaN.
+        fmt: element format. block_size: elements per block (32 in the OCP spec).
+        dim: the blocked dimension (non-negative). scale_mode: rule that chose the scales.
+        orig_size: size of ``dim`` before zero padding (``quantize_mx(pad=True)``);
+            dequantization drops the padding.
+    """
+
+    qdata: Tensor
+    scale: Tensor
+    fmt: ElemFormat
+    block_size: int
+    dim: int
+    scale_mode: ScaleMode
+    orig_size: int
+
+    @property
+    def padded_shape(self) -> torch.Size:
+        """Shape of the padded input (``dim`` a multiple of ``block_size``)."""
+        shape = list(self.scale.shape)
+        shape[self.dim] *= self.block_size
+        return torch.Size(shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the original (unpadded) input and of :meth:`dequantize`'s result."""
+        shape = list(self.padded_shape)
+        shape[self.dim] = self.orig_size
+        return torch.Size(shape)
+
+    def codes(self) -> Tensor:
+        """Unpacked element codes, shape :attr:`padded_shape` (FP4 unpacked to one per uint8)."""
+        if self.fmt is ElemFormat.E2M1:
+            return unpack_fp4(self.qdata, self.dim)
+        return self.qdata
+
+    def elements(self) -> Tensor:
+        """Element values P_i as float32, shape :attr:`padded_shape` (scales not applied;
+        FP8 NaN codes give NaN)."""
+        return decode_elements(self.codes(), self.fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Values P_i * 2^(b - 127), computed exactly in float32, then rounded to ``dtype``.
+
+        Args:
+            dtype: float32, bfloat16 or float16.
+
+        Returns:
+            Tensor of shape :attr:`shape` (padding dropped), contiguous; blocks with scale
+            255 are NaN.
+
+        Raises:
+            TypeError: ``dtype`` is not a supported float dtype.
+        """
+        return dequantize_mx(self, dtype)
+
+
+def _check_input(x: Tensor, block_size: int, dim: int) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise TypeError(
+            f"x has dtype {x.dtype}; quantize_mx takes float32, bfloat16 or float16 (cast first)"
+        )
+    if x.dim() == 0:
+        raise ValueError("x is a 0-d tensor; quantize_mx needs at least one dimension to block")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (the OCP MX value is 32), got {block_size!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-d tensor")
+    return dim % x.dim()
+
+
+def quantize_mx(
+    x: Tensor,
+    fmt: ElemFormat | str = ElemFormat.E4M3,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    dim: int = -1,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    pad: bool = False,
+) -> MXTensor:
+    """Quantize ``x`` to an MX format, blocks of ``block_size`` consecutive values along ``dim``.
+
+    Rules: docs/NUMERICS.md (OCP MX v1.0; ``rceil`` is NVIDIA's MXFP8 training recipe).
+    This is the pure-torch reference; it runs on any device.
+
+    Args:
+        x: float32, bfloat16 or float16; any rank >= 1, any strides (non-contiguous views,
+            such as transposes, give the same result as their contiguous copy).
+        fmt: "e4m3" (default), "e5m2", "e3m2", "e2m3", "e2m1" or "int8".
+        block_size: values per block, 32 in the OCP spec; even for "e2m1" (packing).
+        dim: the blocked dimension.
+        scale_mode: "rceil" (default) or "floor".
+        pad: zero-pad ``dim`` up to a multiple of ``block_size`` (remembered in
+            ``orig_size``; dequantization returns the original shape). Zeros never change
+            a block's amax, so the scales equal those of the unpadded blocks.
+
+    Returns:
+        :class:`MXTensor` with contiguous ``qdata`` and ``scale``.
+
+    Raises:
+        TypeError: ``x`` is not a float32/bfloat16/float16 tensor.
+        ValueError: unknown ``fmt`` or ``scale_mode``; ``dim`` out of range; size along
+            ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd block size
+            with "e2m1".
+    """
+    fmt = ElemFormat.parse(fmt)
+    scale_mode = ScaleMode.parse(scale_mode)
+    dim = _check_input(x, block_size, dim)
+    if fmt is ElemFormat.E2M1 and block_size % 2:
+        raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
+    size = x.shape[dim]
+    remainder = size % block_size
+    if remainder:
+        if not pad:
+            padded = size + block_size - remainder
+            raise ValueError(
+                f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
+                f"zero-pad it to {padded} or pass pad=True"
+            )
+        pad_shape = list(x.shape)
+        pad_shape[dim] = block_size - remainder
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    blocks = blocked_view(x.contiguous(), dim, block_size)
+    codes, scale_bits = torch_quantize_blocks(blocks, fmt, scale_mode)
+    qdata = codes.view(x.shape)
+    if fmt is ElemFormat.E2M1:
+        qdata = pack_fp4(qdata, dim)
+    scale_shape = list(x.shape)
+    scale_shape[dim] //= block_size
+    scale = scale_bits.view(scale_shape).view(torch.float8_e8m0fnu)
+    return MXTensor(qdata, scale, fmt, block_size, dim, scale_mode, size)
+
+
+def blocked_view(x: Tensor, dim: int, block_size: int) -> Tensor:
+    """View contiguous ``x`` as (P, n_blocks, block_size, S), blocks along ``dim``."""
+    shape = x.shape
+    P, S = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    return x.view(P, shape[dim] // block_size, block_size, S)
+
+
+def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Dequantize ``mx``: v'_i = P_i * 2^(b - 127) exactly in float32, then cast to ``dtype``.
+
+    Args:
+        mx: an :class:`MXTensor`.
+        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
+
+    Returns:
+        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was.
+
+    Raises:
+        TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
+    """
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
+    if dtype not in SUPPORTED_OUTPUT_DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    codes = mx.codes().contiguous()
+    blocks = blocked_view(codes, mx.dim, mx.block_size)
+    scale_bits = mx.scale.view(torch.uint8).reshape(blocks.shape[0], blocks.shape[1], 1, blocks.shape[3])
+    values = torch_dequantize_blocks(blocks, scale_bits, mx.fmt).view(codes.shape)
+    if mx.orig_size != codes.shape[mx.dim]:
+        values = values.narrow(mx.dim, 0, mx.orig_size)
+    return values.to(dtype).contiguous()

@@ -1,0 +1,129 @@
+"""Grouped GEMMs on already (de)quantized operands: the compute seam of the recipe.
+
+``torch._grouped_mm`` where the running torch supports the device and dtype (probed once),
+else a loop over experts. Both give exact zeros where no token contributes: rows past
+the last offset of a forward/dgrad output, and the weight gradient of an expert with no
+tokens.
+
+Legend: T tokens, K / N contraction and output features, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+@functools.cache
+def _grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type == "cuda":
+        major, _ = torch.cuda.get_device_capability()
+        if major < 9 or dtype != torch.bfloat16:
+            return False
+    try:
+        a = torch.ones(16, 16, dtype=dtype, device=device_type)
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
+        out = torch._grouped_mm(a, b, offs=offs)
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
+    ends = offsets_E.tolist()  # host sync: only on the fallback path
+    starts = [0] + ends[:-1]
+    return list(zip(starts, ends))
+
+
+def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
+    """x with the rows at and past offsets_E[-1] set to zero (x itself if there are none).
+
+    On CUDA a mask keeps this free of host synchronization; on the CPU reading the last
+    offset costs nothing and the common case (every row in a group) is a no-op.
+    """
+    T = x_TC.shape[0]
+    if offsets_E.numel() == 0:
+        return torch.zeros_like(x_TC)
+    if x_TC.device.type == "cpu":
+        n = int(offsets_E[-1])
+        if n >= T:
+            return x_TC
+        out = x_TC.clone()
+        out[n:] = 0
+        return out
+    keep = torch.arange(T, device=x_TC.device) < offsets_E[-1].to(torch.int64)
+    return torch.where(keep.unsqueeze(1), x_TC, torch.zeros((), dtype=x_TC.dtype, device=x_TC.device))
+
+
+def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    """out[t] = x[t] @ w[e(t)]^T for the rows t of group e; zero rows past the last offset.
+
+    Args:
+        x_TK: (T, K); w_ENK: (E, N, K), same dtype; offsets_E: (E,) int32 cumulative ends.
+
+    Returns:
+        (T, N) in x's dtype (float32 accumulation).
+    """
+    T = x_TK.shape[0]
+    E, N, _ = w_ENK.shape
+    if T == 0 or E == 0:
+        return x_TK.new_zeros(T, N)
+    if _grouped_mm_supported(x_TK.device.type, x_TK.dtype):
+        out = torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+    else:
+        out = x_TK.new_empty(T, N)
+        for e, (s, t) in enumerate(_group_bounds(offsets_E)):
+            out[s:t] = x_TK[s:t] @ w_ENK[e].t()
+    return zero_rows_past_end(out, offsets_E)
+
+
+def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    """dx[t] = dy[t] @ w[e(t)] (the dgrad of :func:`grouped_mm_nt`); zero rows past the end.
+
+    Args:
+        dy_TN: (T, N); w_ENK: (E, N, K); offsets_E: (E,) int32.
+
+    Returns:
+        (T, K) in dy's dtype.
+    """
+    T = dy_TN.shape[0]
+    E, _, K = w_ENK.shape
+    if T == 0 or E == 0:
+        return dy_TN.new_zeros(T, K)
+    if _grouped_mm_supported(dy_TN.device.type, dy_TN.dtype):
+        out = torch._grouped_mm(dy_TN, w_ENK, offs=offsets_E.to(torch.int32))
+    else:
+        out = dy_TN.new_empty(T, K)
+        for e, (s, t) in enumerate(_group_bounds(offsets_E)):
+            out[s:t] = dy_TN[s:t] @ w_ENK[e]
+    return zero_rows_past_end(out, offsets_E)
+
+
+def grouped_mm_tn(dy_TN: Tensor, x_TK: Tensor, offsets_E: Tensor) -> Tensor:
+    """dw[e] = dy[group e]^T @ x[group e] (the wgrad); exact zeros for empty groups.
+
+    Args:
+        dy_TN: (T, N); x_TK: (T, K); offsets_E: (E,) int32. Rows past the last offset are
+            not part of any group and must hold finite values (callers zero them).
+
+    Returns:
+        (E, N, K) in dy's dtype.
+    """
+    T, N = dy_TN.shape
+    K = x_TK.shape[1]
+    E = offsets_E.numel()
+    if T == 0 or E == 0:
+        return dy_TN.new_zeros(E, N, K)
+    if _grouped_mm_supported(dy_TN.device.type, dy_TN.dtype):
+        out = torch._grouped_mm(dy_TN.t(), x_TK, offs=offsets_E.to(torch.int32))
+    else:
+        out = dy_TN.new_empty(E, N, K)
+        for e, (s, t) in enumerate(_group_bounds(offsets_E)):
+            out[e] = dy_TN[s:t].t() @ x_TK[s:t]
+    sizes = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1, dtype=torch.int64))
+    return torch.where((sizes > 0).view(E, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))

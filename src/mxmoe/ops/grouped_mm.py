@@ -1,0 +1,98 @@
+"""``mx_grouped_mm``: the expert GEMM of an MoE layer under a precision recipe.
+
+x (T, K) holds tokens sorted by expert; expert e owns rows offsets[e-1]:offsets[e]
+(offsets int32, cumulative ends, offsets[-1] <= T). With w (E, N, K):
+
+    forward  out_e = x_e w_e^T      x along K,                  w along K
+    dgrad    dx_e  = dout_e w_e      dout along N,               w along N
+    wgrad    dw_e  = dout_e^T x_e    dout and x along tokens, each expert's tokens blocked
+                                     separately and zero padded to a multiple of 32
+
+Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Nothing here
+synchronizes with the host on CUDA. Rows past offsets[-1] are never read: their outputs
+and input gradients are exact zeros. Experts with no tokens get exact zero gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..recipe import Recipe, get_recipe
+from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn, zero_rows_past_end
+from .quantize import fake_quantize, fake_quantize_grouped_rows
+
+
+class _MXGroupedMMFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+        dtype = x_TK.dtype
+        x_TK = zero_rows_past_end(x_TK, offsets_E)
+        if recipe.quantize:
+            xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype)  # along K
+            wq_ENK = fake_quantize(w_ENK, recipe, dim=2, out_dtype=dtype)  # along K
+        else:
+            xq_TK, wq_ENK = x_TK.to(torch.bfloat16), w_ENK.to(torch.bfloat16)
+        ctx.save_for_backward(x_TK, w_ENK, offsets_E)
+        ctx.recipe = recipe
+        return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
+
+    @staticmethod
+    def backward(ctx, dy_TN: Tensor):
+        x_TK, w_ENK, offsets_E = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dtype = x_TK.dtype
+        dy_TN = zero_rows_past_end(dy_TN.to(dtype), offsets_E)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if recipe.quantize:
+                dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
+                wq_ENK = fake_quantize(w_ENK, recipe, dim=1, out_dtype=dtype)  # along N
+            else:
+                dyq_TN, wq_ENK = dy_TN.to(torch.bfloat16), w_ENK.to(torch.bfloat16)
+            dx = grouped_mm_nn(dyq_TN, wq_ENK, offsets_E).to(dtype)  # (T, N) x (E, N, K) -> (T, K)
+        if ctx.needs_input_grad[1]:
+            if not recipe.quantize:
+                dyt_TN, xt_TK = dy_TN.to(torch.bfloat16), x_TK.to(torch.bfloat16)
+            elif recipe.wgrad_high_precision:
+                dyt_TN, xt_TK = dy_TN, x_TK
+            else:
+                dyt_TN = fake_quantize_grouped_rows(dy_TN, offsets_E, recipe, out_dtype=dtype)
+                xt_TK = fake_quantize_grouped_rows(x_TK, offsets_E, recipe, out_dtype=dtype)
+            dw = grouped_mm_tn(dyt_TN, xt_TK, offsets_E).to(w_ENK.dtype)  # (E, N, K)
+        return dx, dw, None, None
+
+
+def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
+    """Grouped GEMM out[t] = x[t] @ w[e]^T for the rows t of expert e, under ``recipe``.
+
+    Args:
+        x: (T, K) float32/bfloat16/float16, rows sorted by expert. The GEMMs run in x's
+            dtype with float32 accumulation.
+        w: (E, N, K) expert weights (any float dtype, usually float32 master weights).
+        offsets: (E,) int32 on x's device: cumulative end row of each expert
+            (non-decreasing, offsets[-1] <= T). Rows past offsets[-1] are ignored.
+        recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
+
+    Returns:
+        (T, N) in x's dtype; rows past offsets[-1] are zeros.
+
+    Raises:
+        TypeError: x not float32/bfloat16/float16, offsets not an integer tensor.
+        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ.
+
+    Gradients flow to x and w (not offsets). K, N and group sizes need not be multiples of
+    32 (zero padded, exact).
+    """
+    recipe = get_recipe(recipe)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x has dtype {x.dtype}; mx_grouped_mm takes float32, bfloat16 or float16")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(f"expected x (T, K) and w (E, N, K) with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if offsets.shape != (w.shape[0],):
+        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
+    if not (x.device == w.device == offsets.device):
+        raise ValueError(f"x, w and offsets must be on one device, got {x.device}, {w.device}, {offsets.device}")
+    return _MXGroupedMMFunction.apply(x, w, offsets, recipe)

@@ -1,0 +1,89 @@
+"""``mx_linear``: y = x w^T with the three GEMMs of a linear layer under a precision recipe.
+
+For Y = X W^T with X (T, K), W (N, K), dY (T, N) (docs/NUMERICS.md, "Quantizing for
+training"):
+
+    forward  Y  = X W^T     X blocked along K,       W blocked along K
+    dgrad    dX = dY W      dY blocked along N,      W blocked along N
+    wgrad    dW = dY^T X    dY blocked along tokens, X blocked along tokens
+
+Each operand copy is quantized from the high-precision tensor (never from another
+quantized copy), so each GEMM sees blocks along its own contraction dimension. The GEMMs
+run on the dequantized operands in the activation dtype with float32 accumulation
+("emulated" MXFP8: the same products a block-scaled MXFP8 tensor core forms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..recipe import Recipe, get_recipe
+from .quantize import fake_quantize
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _MXLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK: Tensor, w_NK: Tensor, recipe: Recipe) -> Tensor:
+        dtype = x_TK.dtype
+        xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype)
+        wq_NK = fake_quantize(w_NK, recipe, dim=1, out_dtype=dtype)
+        ctx.save_for_backward(x_TK, w_NK)
+        ctx.recipe = recipe
+        return xq_TK @ wq_NK.t()  # (T, K) @ (K, N) -> (T, N)
+
+    @staticmethod
+    def backward(ctx, dy_TN: Tensor):
+        x_TK, w_NK = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dtype = x_TK.dtype
+        dy_TN = dy_TN.to(dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
+            wq_NK = fake_quantize(w_NK, recipe, dim=0, out_dtype=dtype)  # along N
+            dx = dyq_TN @ wq_NK  # (T, N) @ (N, K) -> (T, K)
+        if ctx.needs_input_grad[1]:
+            if recipe.wgrad_high_precision:
+                dyt_TN, xt_TK = dy_TN, x_TK
+            else:
+                dyt_TN = fake_quantize(dy_TN, recipe, dim=0, out_dtype=dtype)  # along tokens
+                xt_TK = fake_quantize(x_TK, recipe, dim=0, out_dtype=dtype)  # along tokens
+            dw = (dyt_TN.t() @ xt_TK).to(w_NK.dtype)  # (N, T) @ (T, K) -> (N, K)
+        return dx, dw, None
+
+
+def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
+    """y = x w^T with the forward, dgrad and wgrad GEMMs computed under ``recipe``.
+
+    Args:
+        x: (..., K) activations, float32/bfloat16/float16; the GEMMs run in this dtype
+            with float32 accumulation.
+        w: (N, K) weight (any float dtype; typically float32 master weights). Its gradient
+            comes back in w's dtype.
+        recipe: a :class:`~mxmoe.recipe.Recipe` or its name ("bf16", "mxfp8",
+            "mxfp8-floor", "mxfp8-bf16-wgrad"). "bf16" rounds both operands to bfloat16.
+
+    Returns:
+        (..., N) in x's dtype.
+
+    Raises:
+        TypeError: x is not a float32/bfloat16/float16 tensor.
+        ValueError: w is not 2-D or its K differs from x's; unknown recipe.
+
+    K and the number of tokens need not be multiples of 32: tail blocks are zero padded,
+    which leaves every product unchanged.
+    """
+    recipe = get_recipe(recipe)
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; mx_linear takes float32, bfloat16 or float16")
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"w must be (N, K) with K = x.shape[-1] = {x.shape[-1]}, got {tuple(w.shape)}")
+    if not recipe.quantize:
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).to(x.dtype)
+    lead = x.shape[:-1]
+    y = _MXLinearFunction.apply(x.reshape(-1, x.shape[-1]), w, recipe)
+    return y.reshape(*lead, w.shape[0])

@@ -1,0 +1,314 @@
+"""The training loop: AdamW, warmup + cosine decay, gradient clipping, evaluation,
+atomic checkpoints, exact resume, one log line and one metrics line per step.
+
+Determinism: the batch of step s is drawn from a generator seeded with (seed, s), the
+model has no dropout, so a run resumed from a checkpoint draws the same batches and, on
+the same machine, computes the same losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..model import ModelConfig, MoETransformer
+from ..recipe import RECIPES
+from .checkpoint import MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
+from .data import Corpus, eval_batches, load_corpus, random_batch
+
+METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.json"
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the model shape (``model``).
+
+    Attributes:
+        recipe: precision recipe name ("bf16", "mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad").
+        batch_size: sequences per step. seq_len: tokens per sequence.
+        steps: optimizer steps. lr: peak learning rate; warmup_steps linear warmup, then
+            cosine decay to lr * min_lr_ratio at the last step.
+        weight_decay: AdamW decay of matrices (not of norms). beta1, beta2: AdamW betas.
+        grad_clip: max global gradient norm (0 disables clipping).
+        seed: initialization and data-order seed.
+        eval_interval: evaluate every n steps (and at steps 0 and ``steps``); eval_batches
+            batches per split.
+        ckpt_interval: checkpoint every n steps (and at the end); 0: only at the end.
+        out_dir: where config.json, metrics.jsonl and checkpoint.pt go.
+        data: corpus path (None: the Python standard library).
+        device: "auto" (cuda if available), "cpu", "cuda" or "cuda:N".
+        progress: show a progress bar.
+        model: the model shape.
+    """
+
+    recipe: str = "mxfp8"
+    batch_size: int = 16
+    seq_len: int = 256
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 50
+    eval_batches: int = 4
+    ckpt_interval: int = 100
+    out_dir: str = "runs/mxmoe"
+    data: str | None = None
+    device: str = "auto"
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting and what would work."""
+        if self.recipe not in RECIPES:
+            _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
+        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _bad(f"{name} must be a positive integer, got {value!r}")
+        if self.ckpt_interval < 0 or self.warmup_steps < 0:
+            _bad("ckpt_interval and warmup_steps must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            _bad(f"lr must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _bad(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.seq_len > self.model.max_seq_len:
+            _bad(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        self.model.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        model = ModelConfig.from_dict(d.pop("model"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(model=model, **{k: v for k, v in d.items() if k in known})
+
+
+def _bad(msg: str):
+    raise ValueError(msg)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup over
+    ``warmup_steps``, then cosine decay from lr to lr * min_lr_ratio at ``steps``."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda if available, else cpu; otherwise torch.device(name).
+
+    Raises:
+        ValueError: a CUDA device is asked for and none is available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device; use --device cpu")
+    return dev
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this run: CUDA allocator peak on GPU, process peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, batches, device: torch.device) -> float:
+    """Mean cross entropy (nats per token) over ``batches``."""
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        total += model(x.to(device), y.to(device)).ce_loss.item()
+    model.train()
+    return total / len(batches)
+
+
+@dataclass
+class TrainResult:
+    """Summary of a finished run (also the last lines of metrics.jsonl)."""
+
+    first_loss: float
+    last_loss: float
+    first_val_loss: float
+    last_val_loss: float
+    wall_s: float
+    tokens_per_s: float
+    ms_per_step: float
+    peak_mem_gib: float
+    steps: int
+    out_dir: str
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        tqdm.write(msg, file=sys.stdout)
+    else:
+        print(msg, flush=True)
+
+
+def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
+    """Train the MoE LM of ``cfg.model`` under ``cfg.recipe``; write config.json,
+    metrics.jsonl and checkpoint.pt to ``cfg.out_dir``.
+
+    Args:
+        cfg: the run's configuration (validated here, before any work).
+        resume: continue from ``out_dir/checkpoint.pt`` (same configuration required).
+        corpus: an already loaded corpus (default: ``load_corpus(cfg.data)``).
+
+    Returns:
+        :class:`TrainResult`.
+
+    Raises:
+        ValueError: a bad setting; a checkpoint whose configuration differs.
+        FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
+    """
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out_dir)
+    if corpus is None:
+        corpus = load_corpus(cfg.data)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
+                         f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
+    checkpoint = None
+    if resume:
+        checkpoint = load_checkpoint(out)
+        saved = TrainConfig.from_dict(checkpoint["train_config"])
+        mismatched = [k for k, v in cfg.to_dict().items()
+                      if k not in ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval")
+                      and saved.to_dict().get(k) != v]
+        if mismatched:
+            raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
+                             f"use the original settings or a new --out-dir")
+
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(cfg.model, cfg.recipe).to(device)
+    opt = make_optimizer(model, cfg)
+    start_step = 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        start_step = checkpoint["step"]
+        truncate_metrics(out / METRICS_NAME, start_step)
+    elif (out / METRICS_NAME).exists():
+        (out / METRICS_NAME).unlink()  # a new run in an old directory starts a new log
+
+    params = model.num_params()
+    write_json(out / CONFIG_NAME, {
+        "train": cfg.to_dict(), "params": params, "corpus": corpus.describe(), "device": str(device),
+        "torch": torch.__version__, "flops_per_token": model.flops_per_token(cfg.seq_len),
+    })
+    _log(f"mxmoe train | recipe {cfg.recipe} | {params['total'] / 1e6:.2f}M params "
+         f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | device {device}", cfg.progress)
+
+    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    metrics = MetricsWriter(out / METRICS_NAME)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    history: dict[str, list[float]] = {"loss": [], "val_loss": [], "step_s": []}
+
+    def run_eval(step: int) -> None:
+        val = evaluate(model, val_sets, device)
+        tr = evaluate(model, train_eval_sets, device)
+        history["val_loss"].append(val)
+        metrics.write({"kind": "eval", "step": step, "loss": tr, "val_loss": val})
+        _log(f"eval step {step:5d} | train loss {tr:.4f} | val loss {val:.4f}", cfg.progress)
+
+    def save(step: int) -> None:
+        save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                              "train_config": cfg.to_dict()})
+
+    if start_step == 0:
+        run_eval(0)
+    model.train()
+    wall_start = time.perf_counter()
+    bar = tqdm(range(start_step + 1, cfg.steps + 1), initial=start_step, total=cfg.steps,
+               disable=not cfg.progress, desc=cfg.recipe, dynamic_ncols=True, file=sys.stderr)
+    for step in bar:
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
+        x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        out_lm = model(x, y)
+        out_lm.loss.backward()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out_lm.ce_loss.item()  # synchronizes: the step is done
+        dt = time.perf_counter() - t0
+        counts = torch.stack(out_lm.tokens_per_expert).float() if out_lm.tokens_per_expert else None
+        load_max = (counts.max(dim=1).values / counts.mean(dim=1)).max().item() if counts is not None else 1.0
+        record = {
+            "kind": "train", "step": step, "loss": loss, "aux_loss": out_lm.aux_loss.item(),
+            "z_loss": out_lm.z_loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+            "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
+            "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
+        }
+        if not math.isfinite(loss):
+            metrics.write(record)
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
+        metrics.write(record)
+        history["loss"].append(loss)
+        history["step_s"].append(dt)
+        _log(f"step {step:5d} | loss {loss:.4f} | aux {record['aux_loss']:.3f} | grad norm {record['grad_norm']:.3f} "
+             f"| lr {lr:.2e} | {record['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB",
+             cfg.progress)
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            run_eval(step)
+        if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == cfg.steps:
+            save(step)
+    bar.close()
+    metrics.close()
+    wall = time.perf_counter() - wall_start
+    steps_run = len(history["step_s"])
+    # steady-state speed: skip the first steps (allocator and kernel warm-up)
+    timed = history["step_s"][min(5, steps_run // 2):] or history["step_s"] or [float("nan")]
+    step_s = sum(timed) / len(timed)
+    return TrainResult(
+        first_loss=history["loss"][0] if history["loss"] else float("nan"),
+        last_loss=history["loss"][-1] if history["loss"] else float("nan"),
+        first_val_loss=history["val_loss"][0] if history["val_loss"] else float("nan"),
+        last_val_loss=history["val_loss"][-1] if history["val_loss"] else float("nan"),
+        wall_s=wall, tokens_per_s=tokens_per_step / step_s, ms_per_step=step_s * 1e3,
+        peak_mem_gib=peak_memory_gib(device), steps=steps_run, out_dir=str(out),
+    )

@@ -1,0 +1,274 @@
+"""mx_linear and mx_grouped_mm: forward, dgrad and wgrad against float64 products of
+operands quantized by hand (each along its own axis, as docs/NUMERICS.md prescribes), and
+against unquantized float64 with SQNR floors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mxmoe import get_recipe, mx_grouped_mm, mx_linear, quantize_mx
+
+# SQNR floors in dB against the unquantized float64 computation, one table. Measured on
+# the CPU with the inputs of test_sqnr_floors (Gaussian x and dy, w / 16; float32 inputs;
+# group sizes [162, 0, 257, 46, 0, 83]), same for the grouped and the dense op:
+#   bf16 50.8 / 50.8 / 50.8; mxfp8 28.5 / 28.5 / 28.5; mxfp8-floor 27.7 / 27.6 / 27.5;
+#   mxfp8-bf16-wgrad 28.5 / 28.5 / 133.9 (dw in float32 on unquantized operands).
+# Each floor sits 2 dB under its measurement (out / dx / dw).
+SQNR_FLOOR_DB = {
+    ("bf16", "out"): 48.5, ("bf16", "dx"): 48.5, ("bf16", "dw"): 48.5,
+    ("mxfp8", "out"): 26.5, ("mxfp8", "dx"): 26.5, ("mxfp8", "dw"): 26.5,
+    ("mxfp8-floor", "out"): 25.5, ("mxfp8-floor", "dx"): 25.5, ("mxfp8-floor", "dw"): 25.5,
+    ("mxfp8-bf16-wgrad", "out"): 26.5, ("mxfp8-bf16-wgrad", "dx"): 26.5, ("mxfp8-bf16-wgrad", "dw"): 120.0,
+}
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return 10 * math.log10(ref.pow(2).sum().item() / max((ref - out).pow(2).sum().item(), 1e-300))
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return ((ref - out).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def qdq64(x: torch.Tensor, dim: int, mode: str = "rceil") -> torch.Tensor:
+    """Hand quantization of one operand along ``dim``, padded explicitly to 32."""
+    size = x.shape[dim]
+    pad = (-size) % 32
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+    out = quantize_mx(x, "e4m3", dim=dim, scale_mode=mode).dequantize(torch.float32).double()
+    return out.narrow(dim, 0, size)
+
+
+def octave_spread(rows: int, cols: int, gen: torch.Generator, axis: int) -> torch.Tensor:
+    """Gaussian values scaled by 2^k with k varying over 24 octaves along ``axis``, so a
+    quantizer blocking along the wrong axis lands far from the right answer."""
+    x = torch.randn(rows, cols, generator=gen)
+    n = x.shape[axis]
+    k = (torch.arange(n) * 7 % 24 - 12).float()
+    scale = torch.exp2(k)
+    return x * (scale.view(-1, 1) if axis == 0 else scale.view(1, -1))
+
+
+class Product:
+    """A float64 product and its rounding scale |A| @ |B|: a float32 GEMM of the same
+    operands differs from the product by at most about K * 2^-24 times that scale, entry
+    by entry, whatever the magnitudes (Higham, Accuracy and Stability, section 3.5)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.value = a @ b
+        self.scale = a.abs() @ b.abs()
+        self.k = a.shape[-1]
+
+    def max_ulps_off(self, out: torch.Tensor) -> float:
+        """max over entries of |out - value| / (scale * 2^-24), in float32 ulps of scale."""
+        err = (out.double() - self.value).abs()
+        return (err / (self.scale * 2.0**-24).clamp_min(1e-300)).max().item()
+
+    def agrees(self, out: torch.Tensor) -> bool:
+        return self.max_ulps_off(out) <= 2 * self.k
+
+
+def hand_linear(x, w, dy, mode="rceil", wgrad_hp=False):
+    y = Product(qdq64(x, 1, mode), qdq64(w, 1, mode).t())
+    dx = Product(qdq64(dy, 1, mode), qdq64(w, 0, mode))
+    if wgrad_hp:
+        dw = Product(dy.double().t(), x.double())
+    else:
+        dw = Product(qdq64(dy, 0, mode).t(), qdq64(x, 0, mode))
+    return y, dx, dw
+
+
+def run_linear(x, w, dy, recipe):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    y = mx_linear(x, w, recipe)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("T,K,N", [(96, 64, 32), (33, 80, 40), (1, 32, 33), (200, 130, 70)])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad"])
+def test_linear_matches_hand_quantized_float64(T, K, N, recipe):
+    gen = torch.Generator().manual_seed(T * 1000 + K)
+    # activations vary by octaves along K (columns) and the gradient along tokens (rows)
+    x = octave_spread(T, K, gen, axis=1)
+    w = octave_spread(N, K, gen, axis=0)
+    dy = octave_spread(T, N, gen, axis=0)
+    r = get_recipe(recipe)
+    y, dx, dw = run_linear(x, w, dy, r)
+    ry, rdx, rdw = hand_linear(x, w, dy, r.scale_mode.value, r.wgrad_high_precision)
+    assert ry.agrees(y) and rdx.agrees(dx) and rdw.agrees(dw)
+
+
+def test_wrong_axis_would_be_caught():
+    """The octave-spread inputs make blocking along the wrong axis visible: the hand
+    reference built with transposed blocking is far from the op's result."""
+    gen = torch.Generator().manual_seed(3)
+    x, w, dy = octave_spread(64, 64, gen, 1), octave_spread(64, 64, gen, 0), octave_spread(64, 64, gen, 0)
+    y, dx, dw = run_linear(x, w, dy, "mxfp8")
+    right = hand_linear(x, w, dy)
+    assert all(p.agrees(t) for p, t in zip(right, (y, dx, dw)))
+    wrong_y = Product(qdq64(x, 0), qdq64(w, 0).t())
+    wrong_dx = Product(qdq64(dy, 0), qdq64(w, 1))
+    wrong_dw = Product(qdq64(dy, 1).t(), qdq64(x, 1))
+    for wrong, got in ((wrong_y, y), (wrong_dx, dx), (wrong_dw, dw)):
+        assert wrong.max_ulps_off(got) > 1000 * wrong.k
+
+
+def test_linear_keeps_leading_dims_and_dtypes():
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    y = mx_linear(x, w, "mxfp8")
+    assert y.shape == (2, 5, 32) and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="K = x.shape"):
+        mx_linear(x, torch.randn(32, 63))
+    with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
+        mx_linear(x, w, "fp8")
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        mx_linear(x.double(), w)
+
+
+# ---- grouped GEMM -----------------------------------------------------------------
+
+def hand_grouped(x, w, dy, sizes, mode="rceil", wgrad_hp=False):
+    """Per-expert float64 products of hand-quantized operands: lists of Products for
+    out, dx (one per non-empty expert, its rows) and dw (None for empty experts)."""
+    xq, dyq = qdq64(x, 1, mode), qdq64(dy, 1, mode)
+    ys, dxs, dws = [], [], []
+    start = 0
+    for e, n in enumerate(sizes):
+        rows = slice(start, start + n)
+        start += n
+        if n == 0:
+            dws.append(None)
+            continue
+        ys.append((rows, Product(xq[rows], qdq64(w[e], 1, mode).t())))
+        dxs.append((rows, Product(dyq[rows], qdq64(w[e], 0, mode))))
+        if wgrad_hp:
+            dws.append(Product(dy[rows].double().t(), x[rows].double()))
+        else:  # this expert's tokens alone, zero padded to a multiple of 32
+            dws.append(Product(qdq64(dy[rows], 0, mode).t(), qdq64(x[rows], 0, mode)))
+    return ys, dxs, dws
+
+
+def run_grouped(x, w, dy, sizes, recipe, extra_rows=0):
+    T = sum(sizes) + extra_rows
+    offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    x_full = torch.cat([x, torch.full((extra_rows, x.shape[1]), float("nan"))])
+    dy_full = torch.cat([dy, torch.full((extra_rows, dy.shape[1]), float("nan"))])
+    xg = x_full.clone().requires_grad_(True)
+    wg = w.clone().requires_grad_(True)
+    y = mx_grouped_mm(xg, wg, offsets, recipe)
+    assert y.shape == (T, w.shape[1])
+    y.backward(dy_full)
+    return y.detach(), xg.grad, wg.grad
+
+
+GROUP_SIZES = {
+    "issue_mix_with_empty": [162, 0, 257, 46, 0, 83],  # uneven, two empty experts
+    "one_expert": [130],
+    "one_token_each": [1, 1, 1],  # a 32-block holding one token per expert
+    "31_per_expert": [31, 31, 31, 31],  # one short of a block
+    "33_per_expert": [33, 33, 33],  # one past a block: a second block of one token
+}
+
+
+@pytest.mark.parametrize("name", list(GROUP_SIZES))
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad"])
+def test_grouped_matches_hand_quantized_float64(name, recipe):
+    sizes = GROUP_SIZES[name]
+    T, K, N = sum(sizes), 96, 40
+    gen = torch.Generator().manual_seed(len(name) * 31 + T)
+    x = octave_spread(T, K, gen, axis=1)
+    w = torch.stack([octave_spread(N, K, gen, axis=0) for _ in sizes])
+    dy = octave_spread(T, N, gen, axis=0)
+    r = get_recipe(recipe)
+    y, dx, dw = run_grouped(x, w, dy, sizes, r, extra_rows=5)
+    ys, dxs, dws = hand_grouped(x, w, dy, sizes, r.scale_mode.value, r.wgrad_high_precision)
+    # rows past the last offset: never read (they hold NaN), outputs and grads exactly 0
+    assert torch.equal(y[T:], torch.zeros(5, N)) and torch.equal(dx[T:], torch.zeros(5, K))
+    for rows, p in ys:
+        assert p.agrees(y[rows])
+    for rows, p in dxs:
+        assert p.agrees(dx[rows])
+    for e, p in enumerate(dws):
+        if p is None:
+            assert torch.equal(dw[e], torch.zeros(N, K)), "an expert without tokens has exactly zero dW"
+        else:
+            assert p.agrees(dw[e])
+
+
+def test_grouped_wgrad_blocks_never_straddle_experts():
+    """Two experts whose tokens differ by 2^20 in magnitude: blocking across the boundary
+    would flush the small expert's tokens; per-expert blocks keep them exact-ish."""
+    sizes = [20, 20]
+    K, N = 32, 32
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, K, generator=gen)
+    x[:20] *= 2.0**20
+    dy = torch.randn(40, N, generator=gen)
+    w = torch.randn(2, N, K, generator=gen)
+    _, _, dw = run_grouped(x, w, dy, sizes, "mxfp8")
+    _, _, dws = hand_grouped(x, w, dy, sizes)
+    straddled = qdq64(dy, 0).t()[:, 20:] @ qdq64(x, 0)[20:]  # blocks over all 40 rows
+    assert dws[1].agrees(dw[1])
+    assert rel_err(straddled, dw[1]) > 0.5
+
+
+def test_grouped_edge_shapes():
+    # K and N not multiples of 32, zero tokens in total
+    x = torch.randn(0, 40, requires_grad=True)
+    w = torch.randn(3, 33, 40, requires_grad=True)
+    y = mx_grouped_mm(x, w, torch.zeros(3, dtype=torch.int32))
+    assert y.shape == (0, 33)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_grouped_bad_arguments():
+    x, w = torch.randn(8, 32), torch.randn(2, 16, 32)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"offsets must have shape \(E,\) = \(2,\)"):
+        mx_grouped_mm(x, w, offs[:1])
+    with pytest.raises(TypeError, match="int32"):
+        mx_grouped_mm(x, w, offs.float())
+    with pytest.raises(ValueError, match="same K"):
+        mx_grouped_mm(x, torch.randn(2, 16, 31), offs)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad"])
+def test_sqnr_floors(recipe):
+    gen = torch.Generator().manual_seed(11)
+    sizes = [162, 0, 257, 46, 0, 83]
+    T, K, N = sum(sizes), 256, 128
+    x = torch.randn(T, K, generator=gen)
+    w = torch.randn(len(sizes), N, K, generator=gen) / 16
+    dy = torch.randn(T, N, generator=gen)
+    y, dx, dw = run_grouped(x, w, dy, sizes, recipe)
+    offsets = [0] + list(torch.tensor(sizes).cumsum(0))
+    ref_y = torch.cat([x[s:t].double() @ w[e].double().t() for e, (s, t) in enumerate(zip(offsets, offsets[1:]))])
+    ref_dx = torch.cat([dy[s:t].double() @ w[e].double() for e, (s, t) in enumerate(zip(offsets, offsets[1:]))])
+    ref_dw = torch.stack([dy[s:t].double().t() @ x[s:t].double() for s, t in zip(offsets, offsets[1:])])
+    got = {"out": sqnr_db(ref_y, y), "dx": sqnr_db(ref_dx, dx), "dw": sqnr_db(ref_dw, dw)}
+    # the dense linear op under the same recipe
+    xl, wl, dyl = x[:200], w[0], dy[:200]
+    yl, dxl, dwl = run_linear(xl, wl, dyl, recipe)
+    got_linear = {
+        "out": sqnr_db(xl.double() @ wl.double().t(), yl),
+        "dx": sqnr_db(dyl.double() @ wl.double(), dxl),
+        "dw": sqnr_db(dyl.double().t() @ xl.double(), dwl),
+    }
+    for tensor in ("out", "dx", "dw"):
+        floor = SQNR_FLOOR_DB[(recipe, tensor)]
+        assert got[tensor] >= floor, f"grouped {tensor}: {got[tensor]:.1f} dB < {floor} dB"
+        assert got_linear[tensor] >= floor, f"linear {tensor}: {got_linear[tensor]:.1f} dB < {floor} dB"
