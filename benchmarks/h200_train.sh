@@ -7,7 +7,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt" || true
+echo "commit ${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/gpu.txt"
 python3 benchmarks/check_cuda_reference.py 2>&1 | tee "$OUT/check_cuda_reference.log"
 for r in bf16 mxfp8; do
     python3 -m mxmoe train --recipe "$r" --out-dir "/tmp/run_$r" --no-progress "$@" > "$OUT/train_$r.log" 2>&1

@@ -28,6 +28,16 @@ FP8_SIGN_BIT = 0x80
 FP8_NAN_CODE = 0x7F
 
 
+def _parse_enum(cls, value, what: str):
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"unknown {what} {value!r}; use one of {names}") from None
+
+
 class ElemFormat(str, enum.Enum):
     """Element format of an MX block (OCP MX v1.0, section 5.3)."""
 
@@ -45,13 +55,7 @@ class ElemFormat(str, enum.Enum):
         Raises:
             ValueError: ``value`` names no MX element format.
         """
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(repr(f.value) for f in cls)
-            raise ValueError(f"unknown MX element format {value!r}; use one of {names}") from None
+        return _parse_enum(cls, value, "MX element format")
 
     @property
     def spec(self) -> "ElemSpec":
@@ -71,13 +75,7 @@ class ScaleMode(str, enum.Enum):
         Raises:
             ValueError: ``value`` names no scale mode.
         """
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"unknown scale mode {value!r}; use one of {names}") from None
+        return _parse_enum(cls, value, "scale mode")
 
 
 @dataclass(frozen=True)

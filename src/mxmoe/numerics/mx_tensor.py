@@ -90,7 +90,7 @@ class MXTensor:
         return dequantize_mx(self, dtype)
 
 
-def _check_input(x: Tensor, block_size: int, dim: int) -> int:
+def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_INPUT_DTYPES:
@@ -142,7 +142,7 @@ def quantize_mx(
     """
     fmt = ElemFormat.parse(fmt)
     scale_mode = ScaleMode.parse(scale_mode)
-    dim = _check_input(x, block_size, dim)
+    dim = check_quantize_args(x, block_size, dim)
     if fmt is ElemFormat.E2M1 and block_size % 2:
         raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
     size = x.shape[dim]
@@ -154,9 +154,7 @@ def quantize_mx(
                 f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
                 f"zero-pad it to {padded} or pass pad=True"
             )
-        pad_shape = list(x.shape)
-        pad_shape[dim] = block_size - remainder
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        x = zero_pad_to_block(x, dim, block_size)
     blocks = blocked_view(x.contiguous(), dim, block_size)
     codes, scale_bits = torch_quantize_blocks(blocks, fmt, scale_mode)
     qdata = codes.view(x.shape)
@@ -166,6 +164,16 @@ def quantize_mx(
     scale_shape[dim] //= block_size
     scale = scale_bits.view(scale_shape).view(torch.float8_e8m0fnu)
     return MXTensor(qdata, scale, fmt, block_size, dim, scale_mode, size)
+
+
+def zero_pad_to_block(x: Tensor, dim: int, block_size: int) -> Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of ``block_size``."""
+    remainder = x.shape[dim] % block_size
+    if not remainder:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = block_size - remainder
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
 
 
 def blocked_view(x: Tensor, dim: int, block_size: int) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .formats import E8M0_EXPONENT_BIAS, MX_BLOCK_SIZE, ElemFormat, ScaleMode
-from .mx_tensor import _check_input, blocked_view, quantize_mx
+from .mx_tensor import check_quantize_args, blocked_view, quantize_mx, zero_pad_to_block
 from .reference import block_amax, e8m0_to_float32, exp2i, torch_mx_scale_bits
 
 # Where the FP8 bits go inside a wider float: shift left by (target mantissa bits - element
@@ -74,17 +74,14 @@ def fake_quantize_mx(
     fmt = ElemFormat.parse(fmt)
     scale_mode = ScaleMode.parse(scale_mode)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    dim = _check_input(x, block_size, dim)
+    dim = check_quantize_args(x, block_size, dim)
     fast = fmt in (ElemFormat.E4M3, ElemFormat.E5M2) and out_dtype in _FAST_OUT and x.dtype in _FAST_OUT
     size = x.shape[dim]
     if not fast or (size % block_size and not pad):
         mx = quantize_mx(x, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode, pad=pad)
         return mx.dequantize(out_dtype)
     if size % block_size:  # zero padding leaves every amax, hence every scale, unchanged
-        pad_shape = list(x.shape)
-        pad_shape[dim] = block_size - size % block_size
-        x_padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-        out = fake_quantize_mx(x_padded, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode,
+        out = fake_quantize_mx(zero_pad_to_block(x, dim, block_size), fmt, block_size=block_size, dim=dim, scale_mode=scale_mode,
                                out_dtype=out_dtype)
         return out.narrow(dim, 0, size).contiguous()
     spec = fmt.spec
