@@ -150,6 +150,9 @@ def test_dense_layers_between_moe_layers():
     (dict(n_heads=3), "n_heads=3"),
     (dict(quantized=("router",)), "unknown entries"),
     (dict(dtype="fp8"), "dtype 'fp8'"),
+    (dict(n_layers=True), "n_layers must be a positive integer"),
+    (dict(d_ff_dense=-5), "d_ff_dense must be a positive integer"),
+    (dict(z_loss_coef=-1.0), "z_loss_coef must be a finite number"),
 ])
 def test_model_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -160,3 +163,23 @@ def test_sequence_longer_than_rope_table_is_refused():
     model = MoETransformer(_tiny_cfg(), "bf16")
     with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_moe_layer_with_no_tokens():
+    layer = MoELayer(32, 4, 2, 32, 1, get_recipe("mxfp8"))
+    y, aux = layer(torch.zeros(0, 32))
+    assert y.shape == (0, 32)
+    assert aux.aux_loss.item() == 0 and aux.z_loss.item() == 0
+    assert layer.last_tokens_per_expert.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_size=0), "block_size must be a positive int"),
+    (dict(quantize="no"), "quantize must be True or False"),
+    (dict(backend="cuda"), "unknown backend 'cuda'"),
+    (dict(scale_mode="ceil"), "unknown scale mode 'ceil'"),
+    (dict(bogus=1), "unknown recipe field"),
+])
+def test_get_recipe_refuses_bad_overrides(kw, match):
+    with pytest.raises(ValueError, match=match):
+        get_recipe("mxfp8", **kw)

@@ -272,3 +272,36 @@ def test_sqnr_floors(recipe):
         floor = SQNR_FLOOR_DB[(recipe, tensor)]
         assert got[tensor] >= floor, f"grouped {tensor}: {got[tensor]:.1f} dB < {floor} dB"
         assert got_linear[tensor] >= floor, f"linear {tensor}: {got_linear[tensor]:.1f} dB < {floor} dB"
+
+
+@pytest.mark.parametrize("K,N", [(36, 32), (40, 50), (7, 3)])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "mxfp8-bf16-wgrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_width_and_expanded_gradients(K, N, recipe, dtype):
+    """Rows that are not 16-byte aligned (torch._grouped_mm refuses them) and a gradient
+    that arrives expanded (stride 0, from .sum()) work, and give what a contiguous
+    gradient gives; under mxfp8 the values match the hand-quantized float64 products."""
+    sizes = [30, 0, 34]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(K * N)
+    x = torch.randn(64, K, generator=gen).to(dtype)
+    w = torch.randn(3, N, K, generator=gen)
+    got, want = [], []
+    for expanded, out in ((True, got), (False, want)):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = mx_grouped_mm(xg, wg, offsets, recipe)
+        y.sum().backward() if expanded else y.backward(torch.ones_like(y))
+        xl, wl = x.clone().requires_grad_(True), w[0].clone().requires_grad_(True)
+        yl = mx_linear(xl, wl, recipe)
+        yl.sum().backward() if expanded else yl.backward(torch.ones_like(yl))
+        out += [y.detach(), xg.grad, wg.grad, yl.detach(), xl.grad, wl.grad]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if recipe == "mxfp8" and dtype is torch.float32:
+        ys, dxs, dws = hand_grouped(x, w, torch.ones(64, N), sizes)
+        for rows, p in ys:
+            assert p.agrees(got[0][rows])
+        for rows, p in dxs:
+            assert p.agrees(got[1][rows])
+        for e, p in enumerate(dws):
+            assert torch.equal(got[2][e], torch.zeros(N, K)) if p is None else p.agrees(got[2][e])

@@ -214,6 +214,14 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, text_file):
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--steps", "0"], "steps must be a positive integer"),
     (["--lr", "-1"], "lr must be a positive number"),
+    (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--grad-clip", "-1"], "grad_clip must be >= 0"),
+    (["--grad-clip", "nan"], "grad_clip must be >= 0"),
+    (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
+    (["--shared-expert", "-4"], "shared_expert must be an integer >= 0"),
+    (["--vocab-size", "0"], "vocab_size must be a positive integer"),
+    (["--aux-loss-coef", "nan"], "aux_loss_coef must be a finite number >= 0"),
+    (["--seq-len", "1000000"], "fewer than seq_len + 1"),
 ])
 def test_cli_bad_flags_stop_before_work(tmp_path, capsys, flags, message):
     rc = main(["train", *TINY_FLAGS, "--out-dir", str(tmp_path / "o"), *flags])
@@ -237,3 +245,33 @@ def test_cli_train_end_to_end_loss_falls(tmp_path, text_file, capsys):
     evals = [m for m in read_metrics(out) if m["kind"] == "eval"]
     assert evals[0]["val_loss"] > 5.0 and evals[-1]["val_loss"] < 3.6
     assert "done: 40 steps" in capsys.readouterr().out
+
+
+def test_a_refused_run_leaves_an_existing_run_alone(tmp_path, text_file):
+    out = tmp_path / "run"
+    train(tiny_config(out, text_file, steps=3))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        train(tiny_config(out, text_file, steps=3, seq_len=100_000, model=ModelConfig(
+            d_model=64, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=64, max_seq_len=100_000)))
+    with pytest.raises(ValueError, match="at step 3, the run has --steps 3: nothing to do"):
+        train(tiny_config(out, text_file, steps=3), resume=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    file_path = tmp_path / "a_file"
+    file_path.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        train(tiny_config(file_path, text_file, steps=3))
+
+
+def test_resume_may_extend_the_run(tmp_path, text_file):
+    out = tmp_path / "run"
+    train(tiny_config(out, text_file, steps=3))
+    r = train(tiny_config(out, text_file, steps=5), resume=True)
+    assert r.steps == 2 and load_checkpoint(out)["step"] == 5
+    assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2, 3, 4, 5]
+
+
+def test_odd_sized_token_file_is_refused(tmp_path):
+    (tmp_path / "t.bin").write_bytes(b"\1\0\2\0\3")
+    with pytest.raises(ValueError, match="odd number of bytes"):
+        load_corpus(tmp_path / "t.bin")

@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
+from .numerics.mx_tensor import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Recipe:
         scale_mode: ``rceil`` (default, NVIDIA recipe) or ``floor`` (OCP).
         wgrad_high_precision: run the weight-gradient GEMM on unquantized operands.
         block_size: elements per scale block (32, the OCP value).
+        backend: quantizer backend, "auto" (Triton kernels for CUDA tensors, the
+            pure-torch reference otherwise), "reference" or "triton". Every backend gives
+            the same bytes, so the choice changes speed only.
     """
 
     name: str
@@ -40,6 +44,7 @@ class Recipe:
     scale_mode: ScaleMode = ScaleMode.RCEIL
     wgrad_high_precision: bool = False
     block_size: int = MX_BLOCK_SIZE
+    backend: str = "auto"
 
 
 RECIPES: dict[str, Recipe] = {
@@ -73,8 +78,17 @@ def get_recipe(recipe: "Recipe | str", **overrides) -> Recipe:
     unknown = set(overrides) - fields
     if unknown:
         raise ValueError(f"unknown recipe field(s) {sorted(unknown)}; fields are {sorted(fields)}")
+    for name in ("quantize", "wgrad_high_precision"):
+        if name in overrides and not isinstance(overrides[name], bool):
+            raise ValueError(f"recipe field {name} must be True or False, got {overrides[name]!r}")
+    if "block_size" in overrides:
+        bs = overrides["block_size"]
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"recipe field block_size must be a positive int (32 for MX), got {bs!r}")
     if "fmt" in overrides:
         overrides["fmt"] = ElemFormat.parse(overrides["fmt"])
     if "scale_mode" in overrides:
         overrides["scale_mode"] = ScaleMode.parse(overrides["scale_mode"])
+    if "backend" in overrides and overrides["backend"] not in BACKENDS:
+        raise ValueError(f"unknown backend {overrides['backend']!r}; use one of {BACKENDS}")
     return dataclasses.replace(base, **overrides)

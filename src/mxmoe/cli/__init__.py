@@ -3,7 +3,8 @@
     mxmoe train [flags]     train the MoE LM under a precision recipe (CPU or GPU)
 
 Every flag has a help text (``mxmoe train --help``). Bad flags stop with a message that
-names the value and what would work, before any data is read or any model is built.
+names the value and what would work, before any model is built or any file is written
+(the corpus is read first: its vocabulary and length are part of the checks).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         ValueError: a bad combination (for example top-k > experts).
     """
     model = ModelConfig(
-        vocab_size=args.vocab_size or vocab_size, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
+        vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
         n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,
         d_ff_dense=args.dense_width, shared_expert=args.shared_expert, max_seq_len=args.seq_len,
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, quantized=args.quantize, dtype=args.dtype,
@@ -143,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"mxmoe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far and "
+              f"checkpoint.pt the last checkpoint", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"mxmoe {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",
               file=sys.stderr)

@@ -73,19 +73,27 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what would work."""
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
-                    "moe_every", "max_seq_len")
+                    "moe_every", "d_ff_dense", "max_seq_len")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.shared_expert, bool) or not isinstance(self.shared_expert, int) or self.shared_expert < 0:
+            raise ValueError(f"shared_expert must be an integer >= 0 (0: none), got {self.shared_expert!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; use top_k <= n_experts")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
             )
-        if self.moe_every > 1 and self.d_ff_dense < 1:
-            raise ValueError(f"d_ff_dense must be positive when moe_every > 1, got {self.d_ff_dense}")
         bad = set(self.quantized) - set(QUANTIZABLE)
         if bad:
             raise ValueError(f"quantized has unknown entries {sorted(bad)}; choose from {QUANTIZABLE}")

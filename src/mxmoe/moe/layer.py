@@ -79,6 +79,8 @@ def load_balancing_loss(probs_TE: Tensor, experts_Tk: Tensor) -> Tensor:
         float32 scalar.
     """
     T, E = probs_TE.shape
+    if T == 0:
+        return probs_TE.new_zeros(())
     counts_E = torch.bincount(experts_Tk.reshape(-1), minlength=E).to(probs_TE.dtype)
     f_E = counts_E / max(experts_Tk.numel(), 1)
     P_E = probs_TE.mean(dim=0)
@@ -86,7 +88,9 @@ def load_balancing_loss(probs_TE: Tensor, experts_Tk: Tensor) -> Tensor:
 
 
 def router_z_loss(logits_TE: Tensor) -> Tensor:
-    """Router z-loss mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5)."""
+    """Router z-loss mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022, eq. 5); 0 for no tokens."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.new_zeros(())
     return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
 
 

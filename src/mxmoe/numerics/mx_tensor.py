@@ -10,6 +10,7 @@ Layout conventions (shared by every backend):
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,33 @@ from .reference import decode_elements, pack_fp4, torch_dequantize_blocks, torch
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "reference", "triton")
+TRITON_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
+TRITON_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def use_triton(x: Tensor, fmt: ElemFormat, block_size: int, backend: str) -> bool:
+    """Resolve ``backend`` for quantizing ``x``: "reference" (pure torch, any device),
+    "triton" (the kernels of :mod:`mxmoe.kernels`: FP8 formats, block 32, float32/bfloat16
+    input, CUDA tensors or TRITON_INTERPRET=1), "auto" (Triton for CUDA tensors where it
+    applies, else the reference).
+
+    Raises:
+        ValueError: unknown backend, or "triton" asked for what it does not cover.
+    """
+    if backend == "reference":
+        return False
+    covered = fmt in TRITON_FORMATS and block_size == MX_BLOCK_SIZE and x.dtype in TRITON_DTYPES
+    if backend == "auto":
+        return x.is_cuda and covered and importlib.util.find_spec("triton") is not None
+    if backend == "triton":
+        if not covered:
+            raise ValueError(
+                f"backend='triton' covers e4m3/e5m2 elements, block_size 32 and float32/bfloat16 input; "
+                f"got fmt={fmt.value!r}, block_size={block_size}, dtype {x.dtype}: use backend='reference'"
+            )
+        return True
+    raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
 
 
 @dataclass
@@ -74,11 +102,12 @@ class MXTensor:
         FP8 NaN codes give NaN)."""
         return decode_elements(self.codes(), self.fmt)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, backend: str = "auto") -> Tensor:
         """Values P_i * 2^(b - 127), computed exactly in float32, then rounded to ``dtype``.
 
         Args:
             dtype: float32, bfloat16 or float16.
+            backend: as :func:`dequantize_mx`.
 
         Returns:
             Tensor of shape :attr:`shape` (padding dropped), contiguous; blocks with scale
@@ -87,7 +116,7 @@ class MXTensor:
         Raises:
             TypeError: ``dtype`` is not a supported float dtype.
         """
-        return dequantize_mx(self, dtype)
+        return dequantize_mx(self, dtype, backend)
 
 
 def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
@@ -114,6 +143,7 @@ def quantize_mx(
     dim: int = -1,
     scale_mode: ScaleMode | str = ScaleMode.RCEIL,
     pad: bool = False,
+    backend: str = "auto",
 ) -> MXTensor:
     """Quantize ``x`` to an MX format, blocks of ``block_size`` consecutive values along ``dim``.
 
@@ -130,15 +160,23 @@ def quantize_mx(
         pad: zero-pad ``dim`` up to a multiple of ``block_size`` (remembered in
             ``orig_size``; dequantization returns the original shape). Zeros never change
             a block's amax, so the scales equal those of the unpadded blocks.
+        backend: "auto" (default: the Triton kernels for CUDA tensors, FP8 formats and
+            block 32; the reference otherwise), "reference" or "triton". Every backend
+            gives the same bytes.
 
     Returns:
         :class:`MXTensor` with contiguous ``qdata`` and ``scale``.
 
+    Note: under ``rceil`` a block whose amax is within one element step of float32's
+    largest value rounds its largest element up to 2^(emax+1) (e4m3: 256 with scale
+    2^120), which dequantizes to inf in float32. That is what the rule of
+    docs/NUMERICS.md gives; it needs inputs above 3.3e38.
+
     Raises:
         TypeError: ``x`` is not a float32/bfloat16/float16 tensor.
-        ValueError: unknown ``fmt`` or ``scale_mode``; ``dim`` out of range; size along
-            ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd block size
-            with "e2m1".
+        ValueError: unknown ``fmt``, ``scale_mode`` or ``backend``; ``dim`` out of range;
+            size along ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd
+            block size with "e2m1"; backend="triton" for what it does not cover.
     """
     fmt = ElemFormat.parse(fmt)
     scale_mode = ScaleMode.parse(scale_mode)
@@ -147,13 +185,29 @@ def quantize_mx(
         raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
     size = x.shape[dim]
     remainder = size % block_size
+    if remainder and not pad:
+        padded = size + block_size - remainder
+        raise ValueError(
+            f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
+            f"zero-pad it to {padded} or pass pad=True"
+        )
+    if use_triton(x, fmt, block_size, backend):
+        from ..kernels.quantize import launch_tile
+
+        P, S = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
+        padded_shape = list(x.shape)
+        padded_shape[dim] += (block_size - remainder) % block_size
+        scale_shape = list(padded_shape)
+        scale_shape[dim] //= block_size
+        if S == 1:
+            out = launch_tile(x.reshape(1, P, size), fmt.value, scale_mode.value, rowwise=True, colwise=False, pad=pad)
+            q, s = out["q_row"], out["s_row"]
+        else:
+            out = launch_tile(x.reshape(P, size, S), fmt.value, scale_mode.value, rowwise=False, colwise=True,
+                              col_transpose=False, pad=pad)
+            q, s = out["q_col"], out["s_col"]
+        return MXTensor(q.view(padded_shape), s.view(scale_shape), fmt, block_size, dim, scale_mode, size)
     if remainder:
-        if not pad:
-            padded = size + block_size - remainder
-            raise ValueError(
-                f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
-                f"zero-pad it to {padded} or pass pad=True"
-            )
         x = zero_pad_to_block(x, dim, block_size)
     blocks = blocked_view(x.contiguous(), dim, block_size)
     codes, scale_bits = torch_quantize_blocks(blocks, fmt, scale_mode)
@@ -183,23 +237,31 @@ def blocked_view(x: Tensor, dim: int, block_size: int) -> Tensor:
     return x.view(P, shape[dim] // block_size, block_size, S)
 
 
-def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str = "auto") -> Tensor:
     """Dequantize ``mx``: v'_i = P_i * 2^(b - 127) exactly in float32, then cast to ``dtype``.
 
     Args:
         mx: an :class:`MXTensor`.
         dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
+        backend: "auto" (the Triton kernel for CUDA FP8 tensors and float32/bfloat16
+            output), "reference" or "triton"; every backend gives the same values.
 
     Returns:
         Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was.
 
     Raises:
         TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
+        ValueError: unknown backend, or "triton" for what it does not cover.
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
     if dtype not in SUPPORTED_OUTPUT_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    if dtype in TRITON_DTYPES and use_triton(mx.qdata.new_empty(0, dtype=dtype), mx.fmt, mx.block_size, backend):
+        from ..kernels.quantize import dequantize_rowwise
+
+        values = dequantize_rowwise(mx.qdata.movedim(mx.dim, -1), mx.scale.movedim(mx.dim, -1), dtype)
+        return values.narrow(-1, 0, mx.orig_size).movedim(-1, mx.dim).contiguous()
     codes = mx.codes().contiguous()
     blocks = blocked_view(codes, mx.dim, mx.block_size)
     scale_bits = mx.scale.view(torch.uint8).reshape(blocks.shape[0], blocks.shape[1], 1, blocks.shape[3])

@@ -3,6 +3,6 @@ and the quantize-dequantize helpers they use."""
 
 from .grouped_mm import mx_grouped_mm
 from .linear import mx_linear
-from .quantize import fake_quantize, fake_quantize_grouped_rows
+from .quantize import fake_quantize, fake_quantize_grouped_tokens
 
-__all__ = ["fake_quantize", "fake_quantize_grouped_rows", "mx_grouped_mm", "mx_linear"]
+__all__ = ["fake_quantize", "fake_quantize_grouped_tokens", "mx_grouped_mm", "mx_linear"]

@@ -1,7 +1,8 @@
 """Grouped GEMMs on already (de)quantized operands: the compute seam of the recipe.
 
-``torch._grouped_mm`` where the running torch supports the device and dtype (probed once),
-else a loop over experts. Both give exact zeros where no token contributes: rows past
+``torch._grouped_mm`` where the running torch supports the device and dtype (probed once)
+and the operands' strides meet its 16-byte alignment rule, else a loop over experts
+(which reads the offsets on the host). Both give exact zeros where no token contributes: rows past
 the last offset of a forward/dgrad output, and the weight gradient of an expert with no
 tokens.
 
@@ -32,6 +33,24 @@ def _grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         return bool((out == 16).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+_ALIGN_BYTES = 16
+
+
+def _aligned(t: Tensor) -> bool:
+    """2-D / 3-D operand with a unit stride in one of its last two dims and every other
+    stride a positive multiple of 16 bytes (torch._grouped_mm's rule)."""
+    strides = t.stride()
+    inner = strides[-2:]
+    if 1 not in inner:
+        return False
+    return all(s > 0 and (s * t.element_size()) % _ALIGN_BYTES == 0 for s in strides if s != 1)
+
+
+def _use_grouped_mm(*operands: Tensor) -> bool:
+    a = operands[0]
+    return _grouped_mm_supported(a.device.type, a.dtype) and all(_aligned(t) for t in operands)
 
 
 def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
@@ -73,7 +92,7 @@ def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
     E, N, _ = w_ENK.shape
     if T == 0 or E == 0:
         return x_TK.new_zeros(T, N)
-    if _grouped_mm_supported(x_TK.device.type, x_TK.dtype):
+    if _use_grouped_mm(x_TK, w_ENK) and (N * x_TK.element_size()) % _ALIGN_BYTES == 0:
         out = torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets_E.to(torch.int32))
     else:
         out = x_TK.new_empty(T, N)
@@ -95,7 +114,7 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
     E, _, K = w_ENK.shape
     if T == 0 or E == 0:
         return dy_TN.new_zeros(T, K)
-    if _grouped_mm_supported(dy_TN.device.type, dy_TN.dtype):
+    if _use_grouped_mm(dy_TN, w_ENK) and (K * dy_TN.element_size()) % _ALIGN_BYTES == 0:
         out = torch._grouped_mm(dy_TN, w_ENK, offs=offsets_E.to(torch.int32))
     else:
         out = dy_TN.new_empty(T, K)
@@ -104,26 +123,28 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
     return zero_rows_past_end(out, offsets_E)
 
 
-def grouped_mm_tn(dy_TN: Tensor, x_TK: Tensor, offsets_E: Tensor) -> Tensor:
-    """dw[e] = dy[group e]^T @ x[group e] (the wgrad); exact zeros for empty groups.
+def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
+    """dw[e] = a[:, group e] @ b[:, group e]^T (the wgrad, contraction over tokens L);
+    exact zeros for empty groups.
 
     Args:
-        dy_TN: (T, N); x_TK: (T, K); offsets_E: (E,) int32. Rows past the last offset are
-            not part of any group and must hold finite values (callers zero them).
+        a_NL: (N, L) (dY transposed); b_KL: (K, L) (X transposed); offsets_E: (E,) int32
+            cumulative ends of the groups along L (plain or per-expert padded layout).
+            Columns past the last offset are not read.
 
     Returns:
-        (E, N, K) in dy's dtype.
+        (E, N, K) in a's dtype.
     """
-    T, N = dy_TN.shape
-    K = x_TK.shape[1]
+    N, L = a_NL.shape
+    K = b_KL.shape[0]
     E = offsets_E.numel()
-    if T == 0 or E == 0:
-        return dy_TN.new_zeros(E, N, K)
-    if _grouped_mm_supported(dy_TN.device.type, dy_TN.dtype):
-        out = torch._grouped_mm(dy_TN.t(), x_TK, offs=offsets_E.to(torch.int32))
+    if L == 0 or E == 0:
+        return a_NL.new_zeros(E, N, K)
+    if _use_grouped_mm(a_NL, b_KL) and (K * a_NL.element_size()) % _ALIGN_BYTES == 0:
+        out = torch._grouped_mm(a_NL, b_KL.t(), offs=offsets_E.to(torch.int32))
     else:
-        out = dy_TN.new_empty(E, N, K)
+        out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
-            out[e] = dy_TN[s:t].t() @ x_TK[s:t]
+            out[e] = a_NL[:, s:t] @ b_KL[:, s:t].t()
     sizes = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1, dtype=torch.int64))
     return torch.where((sizes > 0).view(E, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn, zero_rows_past_end
-from .quantize import fake_quantize, fake_quantize_grouped_rows
+from .quantize import fake_quantize, fake_quantize_grouped_tokens
 
 
 class _MXGroupedMMFunction(torch.autograd.Function):
@@ -42,7 +42,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         x_TK, w_ENK, offsets_E = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dtype = x_TK.dtype
-        dy_TN = zero_rows_past_end(dy_TN.to(dtype), offsets_E)
+        dy_TN = zero_rows_past_end(dy_TN.to(dtype).contiguous(), offsets_E)  # may arrive expanded
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if recipe.quantize:
@@ -53,13 +53,13 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             dx = grouped_mm_nn(dyq_TN, wq_ENK, offsets_E).to(dtype)  # (T, N) x (E, N, K) -> (T, K)
         if ctx.needs_input_grad[1]:
             if not recipe.quantize:
-                dyt_TN, xt_TK = dy_TN.to(torch.bfloat16), x_TK.to(torch.bfloat16)
+                a_NL, b_KL, offs = dy_TN.t().to(torch.bfloat16), x_TK.t().to(torch.bfloat16), offsets_E
             elif recipe.wgrad_high_precision:
-                dyt_TN, xt_TK = dy_TN, x_TK
-            else:
-                dyt_TN = fake_quantize_grouped_rows(dy_TN, offsets_E, recipe, out_dtype=dtype)
-                xt_TK = fake_quantize_grouped_rows(x_TK, offsets_E, recipe, out_dtype=dtype)
-            dw = grouped_mm_tn(dyt_TN, xt_TK, offsets_E).to(w_ENK.dtype)  # (E, N, K)
+                a_NL, b_KL, offs = dy_TN.t(), x_TK.t(), offsets_E
+            else:  # each expert's tokens blocked separately, in the padded token layout
+                a_NL, offs = fake_quantize_grouped_tokens(dy_TN, offsets_E, recipe, out_dtype=dtype)
+                b_KL, _ = fake_quantize_grouped_tokens(x_TK, offsets_E, recipe, out_dtype=dtype)
+            dw = grouped_mm_tn(a_NL, b_KL, offs).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
         return dx, dw, None, None
 
 

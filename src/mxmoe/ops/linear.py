@@ -40,7 +40,7 @@ class _MXLinearFunction(torch.autograd.Function):
         x_TK, w_NK = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dtype = x_TK.dtype
-        dy_TN = dy_TN.to(dtype)
+        dy_TN = dy_TN.to(dtype).contiguous()  # may arrive expanded (stride 0)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N

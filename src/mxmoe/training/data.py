@@ -126,6 +126,9 @@ def load_corpus(path: str | os.PathLike | None = None, val_fraction: float = 0.0
         train, val = _split_documents(p, files, val_fraction)
         return Corpus(_bytes_to_tensor(train), _bytes_to_tensor(val), BYTE_VOCAB, f"{len(files)} files under {p}")
     if p.suffix in TOKEN_FILE_SUFFIXES:
+        if p.stat().st_size % 2:
+            raise ValueError(f"token file {str(p)!r} has an odd number of bytes ({p.stat().st_size}); "
+                             f"a uint16 token file holds 2 bytes per token")
         ids = np.fromfile(p, dtype=np.uint16)
         if ids.size < 2:
             raise ValueError(f"token file {str(p)!r} holds {ids.size} tokens")

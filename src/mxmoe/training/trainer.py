@@ -28,6 +28,9 @@ from .data import Corpus, eval_batches, load_corpus, random_batch
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
 _SEED_STRIDE = 1_000_003
+# Settings a resumed run may change: where it runs and logs, and how long it goes on (a
+# larger --steps stretches the cosine schedule from the resumed step on).
+RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval")
 
 
 @dataclass
@@ -85,6 +88,12 @@ class TrainConfig:
             _bad("ckpt_interval and warmup_steps must be >= 0")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             _bad(f"lr must be a positive number, got {self.lr}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            _bad(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            _bad(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            _bad(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
         if not 0 <= self.min_lr_ratio <= 1:
             _bad(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.seq_len > self.model.max_seq_len:
@@ -123,11 +132,16 @@ def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda if available, else cpu; otherwise torch.device(name).
 
     Raises:
-        ValueError: a CUDA device is asked for and none is available.
+        ValueError: an unknown device name, or a CUDA device asked for and none available.
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device; use --device cpu")
     return dev
@@ -201,21 +215,28 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     cfg.validate()
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
     if corpus is None:
         corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
                          f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
+    # everything that can refuse the run is checked before any file is touched
+    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     checkpoint = None
     if resume:
         checkpoint = load_checkpoint(out)
         saved = TrainConfig.from_dict(checkpoint["train_config"])
         mismatched = [k for k, v in cfg.to_dict().items()
-                      if k not in ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval")
-                      and saved.to_dict().get(k) != v]
+                      if k not in RESUME_MAY_CHANGE and saved.to_dict().get(k) != v]
         if mismatched:
             raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
                              f"use the original settings or a new --out-dir")
+        if checkpoint["step"] >= cfg.steps:
+            raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
+                             f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
 
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, cfg.recipe).to(device)
@@ -237,8 +258,6 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     _log(f"mxmoe train | recipe {cfg.recipe} | {params['total'] / 1e6:.2f}M params "
          f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | device {device}", cfg.progress)
 
-    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     metrics = MetricsWriter(out / METRICS_NAME)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     history: dict[str, list[float]] = {"loss": [], "val_loss": [], "step_s": []}

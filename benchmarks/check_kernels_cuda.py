@@ -1,0 +1,126 @@
+"""Bit-exactness of the Triton quantization kernels on the GPU, at large shapes.
+
+The CPU tests (tests/test_kernels_quantize.py) run the kernels in the Triton interpreter
+at small shapes; this script compiles them for the GPU and compares every output byte
+with the pure-torch reference (itself checked against the CPU by
+benchmarks/check_cuda_reference.py): both FP8 formats, both scale modes, bf16 and
+float32 input, the shared worked cases planted in large tensors, blocks spread over
+2^-40..2^40 with NaN / inf, expert groups of 0, 1, 31 and 33 rows, dequantization,
+fused quantize-dequantize and the Blackwell scale layout.
+
+    PYTHONPATH=src python3 benchmarks/check_kernels_cuda.py
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/check_kernels_cuda.py --smoke  # CPU, small shapes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv  # the script's own check: CPU interpreter, small shapes
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from mxmoe import quantize_mx, to_blocked_scales  # noqa: E402
+from mxmoe.kernels import quantize as kq  # noqa: E402
+from mxmoe.numerics import fake_quantize_mx  # noqa: E402
+from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
+
+DEV = torch.device("cpu" if SMOKE else "cuda")
+SHAPES = ((1, 64), (33, 96), (64, 128)) if SMOKE else ((1, 2880), (33, 96), (1000, 2880), (16384, 8192))
+W_SHAPE = (2, 64, 96) if SMOKE else (8, 256, 2880)
+GROUP_SIZES = [0, 1, 31, 33, 0, 5] if SMOKE else [0, 1, 31, 33, 0, 500, 4000, 64, 7] * 3
+failures: list[str] = []
+CASES = json.loads((Path(__file__).resolve().parents[1] / "tests" / "data" / "mx_blocks.json").read_text())["cases"]
+
+
+def check(name: str, ok: bool) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def hard(M: int, K: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    e_row = torch.randint(-40, 41, (M, 1), generator=g, device=DEV)
+    e_col = torch.randint(-20, 21, (1, (K + 31) // 32), generator=g, device=DEV).repeat_interleave(32, 1)[:, :K]
+    inner = torch.rand(M, K, generator=g, device=DEV) * 10 - 9
+    x = torch.exp2((e_row + e_col).clamp(-60, 60).float() + inner)
+    x = x * torch.where(torch.rand(M, K, generator=g, device=DEV) < 0.5, -1.0, 1.0)
+    x[torch.rand(M, K, generator=g, device=DEV) < 0.03] = 0.0
+    x[torch.rand(M, K, generator=g, device=DEV) < 0.01] = 1e-40
+    flat = x.view(-1)
+    for v in (float("nan"), float("inf"), -float("inf")):
+        flat[torch.randint(0, M * K, (max(M * K // 100000, 1),), generator=g, device=DEV)] = v
+    # the worked cases, as row-wise blocks
+    for i, case in enumerate(CASES):
+        if case["fmt"] in ("e4m3", "e5m2"):
+            r, c = (i * 7919) % M, 32 * ((i * 31) % (K // 32)) if K >= 32 else 0
+            x[r, c:c + 32] = torch.tensor([float(v) for v in case["values"]], device=DEV)
+    return x.to(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = torch.isnan(b)
+    return torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan], b[~nan])
+
+
+def main() -> int:
+    print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__}")
+    for fmt in ("e4m3", "e5m2"):
+        for mode in ("rceil", "floor"):
+            for dtype in (torch.bfloat16, torch.float32):
+                tag = f"{fmt} {mode} {str(dtype)[6:]}"
+                for M, K in SHAPES:
+                    x = hard(M, K, seed=M + K, dtype=dtype)
+                    ref = quantize_mx(x, fmt, scale_mode=mode, backend="reference")
+                    q, s = kq.quantize_rowwise(x, fmt, mode)
+                    check(f"rowwise {tag} ({M}, {K})", same(q, ref.qdata) and same(s, ref.scale))
+                    if M % 32 == 0:
+                        refc = quantize_mx(x, fmt, dim=0, scale_mode=mode, backend="reference")
+                        q2, s2, qt, st = kq.quantize_rowcol(x, fmt, mode)
+                        check(f"rowcol {tag} ({M}, {K})", same(q2, ref.qdata) and same(s2, ref.scale)
+                              and same(qt, refc.qdata.t()) and same(st, refc.scale.t()))
+                        _, sb, _, stb = kq.quantize_rowcol(x, fmt, mode, blocked=True)
+                        check(f"blocked scales {tag} ({M}, {K})", same(sb, to_blocked_scales(ref.scale))
+                              and same(stb, to_blocked_scales(refc.scale.t().contiguous())))
+                    for dim in (0, 1):
+                        want = fake_quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
+                                                backend="reference")
+                        got = fake_quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
+                                               backend="triton")
+                        check(f"fake_quantize dim={dim} {tag} ({M}, {K})", same_values(got, want))
+                    dq = kq.dequantize_rowwise(q, s, torch.float32)
+                    check(f"dequantize {tag} ({M}, {K})", same_values(dq, ref.dequantize(backend="reference")))
+                E, N, K = W_SHAPE
+                w = torch.stack([hard(N, K, seed=100 + e, dtype=dtype) for e in range(E)])
+                q, s, qt, st = kq.quantize_rowcol(w, fmt, mode)
+                rr = quantize_mx(w, fmt, dim=2, scale_mode=mode, backend="reference")
+                rc = quantize_mx(w, fmt, dim=1, scale_mode=mode, backend="reference")
+                check(f"3d weights {tag} ({E}, {N}, {K})", same(q, rr.qdata) and same(s, rr.scale)
+                      and same(qt, rc.qdata.transpose(1, 2)) and same(st, rc.scale.transpose(1, 2)))
+                sizes = GROUP_SIZES
+                T, C = sum(sizes) + 11, W_SHAPE[2]
+                x = hard(T, C, seed=7, dtype=dtype)
+                x[sum(sizes):] = float("nan")  # rows past the last offset: never read
+                offsets = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+                q, s, pofs = kq.quantize_grouped_colwise(x, offsets, fmt, mode)
+                rq, rs, rpofs = torch_quantize_grouped_dim0(x, offsets, fmt, mode)
+                check(f"grouped colwise {tag} ({T}, {C}), {len(sizes)} experts",
+                      same(q, rq) and same(s, rs) and torch.equal(pofs, rpofs))
+                dq, _ = kq.fake_quantize_grouped_colwise(x, offsets, fmt, mode, torch.bfloat16)
+                check(f"grouped fake_quantize {tag}", same_values(dq, kq.dequantize_rowwise(q, s, torch.bfloat16)))
+    print(f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Benchmark the Triton MX quantizers against a device-to-device copy and torchao.
+
+Effective bandwidth = (bytes read + bytes written) / median time, reported against the
+bandwidth of a device-to-device copy of a buffer as large as the kernel's input, measured
+in the same process. Every kernel's output is first checked bit for bit against the
+pure-torch reference at the benchmark shape.
+
+    PYTHONPATH=src python3 benchmarks/quantize.py [--sweep] [--out results.json]
+
+``--sweep`` first times several tile shapes / warp counts / rounding variants per kernel
+at (16384, 8192) and uses the fastest for the table (the printed "tuning" line is what
+mxmoe.kernels.quantize.TUNING should hold).
+
+torchao (if importable): its Triton MXFP8 kernels (triton_to_mxfp8_dim0 / dim1), which it
+gates to sm100 (we lift the gate and report whether they run on this GPU), and its
+pure-torch ``to_mx``. "x torchao" = torchao time / our time for the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from mxmoe import quantize_mx
+from mxmoe.kernels import quantize as kq
+from mxmoe.numerics.grouped import torch_quantize_grouped_dim0
+
+DEV = torch.device("cuda")
+SHAPES_2D = [(16384, 8192), (131072, 7168)]
+SHAPE_3D = (64, 2048, 7168)
+N_EXPERTS = 64
+TARGETS = {"rowwise": 0.90, "rowcol": 0.85, "3d rowcol": 0.85, "grouped colwise": 0.80}
+
+
+def bench(fn) -> float:
+    """Median seconds."""
+    return do_bench(fn, warmup=50, rep=200, return_mode="median") / 1e3
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    return 2 * nbytes / t
+
+
+def uneven_sizes(T: int, E: int, seed: int) -> list[int]:
+    """E expert token counts summing to T: log-normal weights, a few experts empty."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(E, generator=g) * 1.2)
+    w[torch.randperm(E, generator=g)[:3]] = 0
+    sizes = (w / w.sum() * T).floor().long()
+    sizes[torch.argmax(w)] += T - sizes.sum()
+    return sizes.tolist()
+
+
+def load_torchao():
+    try:
+        import torchao.utils as tu
+
+        tu.is_sm_at_least_100 = lambda: True  # lift the sm100 gate to see whether the kernels run here
+        import torchao
+        from torchao.prototype.mx_formats import kernels as tk
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+        return {"version": torchao.__version__, "kernels": tk, "to_mx": to_mx, "mode": ScaleCalculationMode}
+    except Exception as e:  # noqa: BLE001 - report whatever stops it
+        print(f"torchao not usable: {type(e).__name__}: {e}")
+        return None
+
+
+def try_time(fn) -> tuple[float | None, str]:
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return bench(fn), ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def sweep() -> dict:
+    """Time launch settings at (16384, 8192) bf16; return the fastest per kernel."""
+    x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
+    offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
+    best = {}
+    choices = {
+        "rowwise": [((32, 128), 4), ((64, 128), 4), ((32, 256), 4), ((64, 256), 8), ((128, 128), 8), ((16, 256), 4),
+                    ((128, 256), 8)],
+        "colwise": [((64, 64), 4), ((32, 128), 4), ((64, 128), 4), ((128, 64), 4), ((64, 128), 8), ((128, 128), 8),
+                    ((32, 256), 8), ((128, 32), 4)],
+    }
+    runs = {"rowwise": lambda: kq.quantize_rowwise(x), "colwise": lambda: kq.quantize_rowcol(x)}
+    for kind, options in choices.items():
+        times = {}
+        for tile, warps in options:
+            kq.TUNING[kind] = {"tile": tile, "num_warps": warps}
+            t, err = try_time(runs[kind])
+            times[(tile, warps)] = t if t is not None else float("inf")
+            print(f"sweep {kind:8s} tile {tile} warps {warps}: {t * 1e6 if t else float('nan'):.1f} us {err}")
+        tile, warps = min(times, key=times.get)
+        best[kind] = {"tile": tile, "num_warps": warps}
+        kq.TUNING[kind] = best[kind]
+    times = {}
+    for block_c in (64, 128, 256):
+        for warps in (2, 4, 8):
+            kq.TUNING["grouped"] = {"block_c": block_c, "num_warps": warps}
+            t, err = try_time(lambda: kq.quantize_grouped_colwise(x, offsets))
+            times[(block_c, warps)] = t if t is not None else float("inf")
+            print(f"sweep grouped  block_c {block_c} warps {warps}: {t * 1e6 if t else float('nan'):.1f} us {err}")
+    block_c, warps = min(times, key=times.get)
+    best["grouped"] = kq.TUNING["grouped"] = {"block_c": block_c, "num_warps": warps}
+    for hw in (False, True):
+        kq.TUNING["hw_round"] = hw
+        t_row = bench(lambda: kq.quantize_rowwise(x))
+        t_rc = bench(lambda: kq.quantize_rowcol(x))
+        ok = same(kq.quantize_rowwise(x)[0], quantize_mx(x, backend="reference").qdata)
+        print(f"sweep hw_round={hw}: rowwise {t_row * 1e6:.1f} us, rowcol {t_rc * 1e6:.1f} us, bit-exact {ok}")
+        times[("hw", hw)] = (t_row + t_rc) if ok else float("inf")
+    best["hw_round"] = kq.TUNING["hw_round"] = times[("hw", True)] < 0.97 * times[("hw", False)]
+    print("tuning:", json.dumps(best))
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="tune launch settings first")
+    ap.add_argument("--out", default=None, help="JSON result file")
+    args = ap.parse_args()
+    commit = os.environ.get("COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                         text=True).stdout.strip() or "unknown"
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "date": time.strftime("%Y-%m-%d"), "input": "bf16", "fmt": "e4m3", "mode": "rceil"}
+    tao = load_torchao()
+    info["torchao"] = tao["version"] if tao else None
+    print(json.dumps(info))
+    tuning = sweep() if args.sweep else None
+    info["tuning"] = tuning or {k: v for k, v in kq.TUNING.items()}
+    rows = []
+
+    def record(shape, kernel, t, nbytes, copy_bw, tao_t=None, tao_note="", exact=True):
+        bw = nbytes / t
+        row = {"shape": list(shape), "kernel": kernel, "us": t * 1e6, "TB/s": bw / 1e12, "pct_copy": bw / copy_bw,
+               "x_torchao": (tao_t / t) if tao_t else None, "torchao_note": tao_note, "bit_exact": exact,
+               "target": TARGETS.get(kernel)}
+        rows.append(row)
+        tx = f"{row['x_torchao']:.2f}x" if row["x_torchao"] else "-"
+        print(f"{str(shape):22s} {kernel:18s} {row['us']:9.1f} us {row['TB/s']:6.2f} TB/s "
+              f"{100 * row['pct_copy']:5.1f}% of copy  x torchao {tx:>8s}  exact {exact}  {tao_note}", flush=True)
+
+    for M, K in SHAPES_2D:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16) * torch.exp2(torch.randint(-8, 8, (M, 1), device=DEV))
+        n = M * K
+        copy_bw = copy_bandwidth(2 * n)
+        rows.append({"shape": [M, K], "kernel": "d2d copy", "TB/s": copy_bw / 1e12})
+        print(f"{str((M, K)):22s} {'d2d copy':18s} {copy_bw / 1e12:6.2f} TB/s")
+        ref = quantize_mx(x, backend="reference")
+        refc = quantize_mx(x, dim=0, backend="reference")
+        # torchao
+        tao_row = tao_col = tao_tomx = tao_tomx_t = None
+        note_row = note_col = ""
+        if tao:
+            tao_row, note_row = try_time(lambda: tao["kernels"].triton_to_mxfp8_dim0(x, 32, "rceil"))
+            tao_col, note_col = try_time(lambda: tao["kernels"].triton_to_mxfp8_dim1(x, 32, "rceil"))
+            tao_tomx, _ = try_time(lambda: tao["to_mx"](x, torch.float8_e4m3fn, 32, tao["mode"].RCEIL))
+            tao_tomx_t, _ = try_time(lambda: tao["to_mx"](x.t().contiguous(), torch.float8_e4m3fn, 32,
+                                                          tao["mode"].RCEIL))
+        q, s = kq.quantize_rowwise(x)
+        t = bench(lambda: kq.quantize_rowwise(x))
+        record((M, K), "rowwise", t, 2 * n + n + n // 32, copy_bw, tao_row or tao_tomx,
+               "vs triton_to_mxfp8_dim0" if tao_row else f"vs to_mx (triton dim0: {note_row or 'n/a'})",
+               same(q, ref.qdata) and same(s, ref.scale))
+        qt, st = kq.quantize_colwise(x)
+        t = bench(lambda: kq.quantize_colwise(x))
+        record((M, K), "colwise", t, 2 * n + n + n // 32, copy_bw, tao_col or tao_tomx_t,
+               "vs triton_to_mxfp8_dim1" if tao_col else f"vs to_mx of x.t() (triton dim1: {note_col or 'n/a'})",
+               same(qt, refc.qdata.t()) and same(st, refc.scale.t()))
+        out = kq.quantize_rowcol(x)
+        t = bench(lambda: kq.quantize_rowcol(x))
+        both = (tao_row + tao_col) if (tao_row and tao_col) else ((tao_tomx + tao_tomx_t) if tao_tomx else None)
+        record((M, K), "rowcol", t, 2 * n + 2 * n + 2 * (n // 32), copy_bw, both,
+               "vs dim0 + dim1 kernels" if tao_row and tao_col else "vs to_mx(x) + to_mx(x.t())",
+               same(out[0], ref.qdata) and same(out[1], ref.scale) and same(out[2], refc.qdata.t())
+               and same(out[3], refc.scale.t()))
+        dq = kq.dequantize_rowwise(q, s, torch.bfloat16)
+        t = bench(lambda: kq.dequantize_rowwise(q, s, torch.bfloat16))
+        record((M, K), "dequant rowwise", t, n + n // 32 + 2 * n, copy_bw, None, "",
+               torch.equal(dq, ref.dequantize(torch.bfloat16, backend="reference")))
+        t = bench(lambda: torch.ops.mxmoe.fake_quantize(x, 1, "e4m3", "rceil", torch.bfloat16))
+        record((M, K), "fake_quantize", t, 2 * n + 2 * n, copy_bw, None, "read bf16, write dequantized bf16")
+        # grouped column-wise: 64 uneven experts
+        sizes = uneven_sizes(M, N_EXPERTS, seed=M)
+        offsets = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+        qg, sg, _ = kq.quantize_grouped_colwise(x, offsets)
+        Tp = qg.shape[1]
+        rq, rs, _ = torch_quantize_grouped_dim0(x, offsets)
+        t = bench(lambda: kq.quantize_grouped_colwise(x, offsets))
+        record((M, K), "grouped colwise", t, 2 * n + K * Tp + K * Tp // 32, copy_bw, tao_col or tao_tomx_t,
+               "vs ungrouped dim1 (torchao has no grouped kernel on sm90)", same(qg, rq) and same(sg, rs))
+        del x, q, s, qt, st, out, dq, qg, sg, rq, rs, ref, refc
+        torch.cuda.empty_cache()
+
+    E, N, K = SHAPE_3D
+    w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16)
+    n = E * N * K
+    copy_bw = copy_bandwidth(2 * n)
+    rows.append({"shape": list(SHAPE_3D), "kernel": "d2d copy", "TB/s": copy_bw / 1e12})
+    print(f"{str(SHAPE_3D):22s} {'d2d copy':18s} {copy_bw / 1e12:6.2f} TB/s")
+    out = kq.quantize_rowcol(w)
+    rr = quantize_mx(w, dim=2, backend="reference")
+    rc = quantize_mx(w, dim=1, backend="reference")
+    exact = same(out[0], rr.qdata) and same(out[1], rr.scale) and same(out[2], rc.qdata.transpose(1, 2)) \
+        and same(out[3], rc.scale.transpose(1, 2))
+    del rr, rc
+    t = bench(lambda: kq.quantize_rowcol(w))
+    tao_t = None
+    if tao:
+        t1, _ = try_time(lambda: tao["to_mx"](w.reshape(E * N, K), torch.float8_e4m3fn, 32, tao["mode"].RCEIL))
+        t2, _ = try_time(lambda: tao["to_mx"](w.transpose(1, 2).contiguous().reshape(E * K, N), torch.float8_e4m3fn,
+                                              32, tao["mode"].RCEIL))
+        tao_t = t1 + t2 if (t1 and t2) else None
+    record(SHAPE_3D, "3d rowcol", t, 2 * n + 2 * n + 2 * (n // 32), copy_bw, tao_t, "vs to_mx both ways", exact)
+
+    print("\nsummary against the targets:")
+    for r in rows:
+        if r.get("target"):
+            met = r["pct_copy"] >= r["target"]
+            print(f"  {str(tuple(r['shape'])):22s} {r['kernel']:16s} {100 * r['pct_copy']:5.1f}% of copy "
+                  f"(target {100 * r['target']:.0f}%): {'met' if met else 'MISSED'}")
+    result = {"info": info, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

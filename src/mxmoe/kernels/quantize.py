@@ -1,0 +1,387 @@
+"""Host side of the Triton MX quantization kernels, registered as ``torch.library`` custom
+ops (``torch.ops.mxmoe.*``) so that autograd and ``torch.compile`` see them as single ops.
+
+Ops (FP8 elements only: fmt "e4m3" or "e5m2"; mode "rceil" or "floor"; block size 32):
+
+| op | input | outputs |
+|---|---|---|
+| ``quantize_rowwise`` | x (..., K) | codes (..., K), scales (..., K / 32) |
+| ``quantize_colwise`` | x (M, K) or (E, M, K) | codes (..., K, M), scales (..., K, M / 32): blocks along M, transposed |
+| ``quantize_rowcol`` | x (M, K) or (E, N, K) | both of the above from one read of x |
+| ``quantize_grouped_colwise`` | x (T, C), offsets (E,) | codes (C, Tp), scales (C, Tp / 32), padded offsets (E,) |
+| ``dequantize_rowwise`` | codes (..., K), scales (..., K / 32) | values (..., K) in bf16 or float32 |
+| ``fake_quantize`` | x, dim | dequantize(quantize(x along dim)) in one pass |
+| ``fake_quantize_grouped_colwise`` | x (T, C), offsets | dequantized (C, Tp), padded offsets |
+
+``blocked=True`` writes the scales in the Blackwell blocked layout instead (equal to
+:func:`~mxmoe.to_blocked_scales` of the plain scales; for 3-D inputs one blocked matrix
+per expert). Inputs may have any strides; sizes along a blocked dimension must be
+multiples of 32 (``pad=True`` on ``quantize_rowwise`` / ``quantize_colwise`` zero-pads).
+
+The kernels run on CUDA tensors; on CPU tensors only under ``TRITON_INTERPRET=1`` (the
+Triton interpreter, used by the CPU tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from torch import Tensor
+
+from ..numerics.formats import ElemFormat, ScaleMode
+from ..numerics.grouped import padded_group_layout
+from ..numerics.layout import blocked_scales_numel
+from . import triton_quantize as tk
+
+FP8_FORMATS = {"e4m3": (tk.ELEM_E4M3, torch.float8_e4m3fn), "e5m2": (tk.ELEM_E5M2, torch.float8_e5m2)}
+MODES = {"floor": tk.MODE_FLOOR, "rceil": tk.MODE_RCEIL}
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+_DQ_DTYPES = (torch.float32, torch.bfloat16)
+BLOCK = tk.BLOCK
+# Launch settings: measured on the H200 (benchmarks/quantize.py sweeps them); the
+# interpreter uses large tiles, fewer programs, to keep the CPU tests quick.
+TUNING = {
+    "rowwise": {"tile": (32, 128), "num_warps": 4},
+    "colwise": {"tile": (64, 64), "num_warps": 4},
+    "grouped": {"block_c": 128, "num_warps": 4},
+    "dequant": {"tile": (32, 128), "num_warps": 4},
+    "hw_round": False,  # round with the float8 cast instruction instead of float32 arithmetic
+}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _codes(fmt: str, mode: str) -> tuple[int, torch.dtype, int]:
+    fmt = ElemFormat.parse(fmt).value
+    mode = ScaleMode.parse(mode).value
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"the Triton kernels cover the FP8 formats 'e4m3' and 'e5m2', not {fmt!r}; "
+                         f"use backend='reference' for it")
+    elem, dtype = FP8_FORMATS[fmt]
+    return elem, dtype, MODES[mode]
+
+
+def _check_tensor(x: Tensor, name: str = "x") -> None:
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; the Triton quantizers take float32 or bfloat16")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {x.device}: the Triton kernels need a CUDA tensor "
+                         f"(or TRITON_INTERPRET=1 for the CPU interpreter); use backend='reference'")
+
+
+def _check_blocked_dim(size: int, what: str, pad: bool) -> int:
+    if size % BLOCK and not pad:
+        raise ValueError(f"{what} is {size}, not a multiple of the block size {BLOCK}; "
+                         f"zero-pad it to {_ceil_to(size, BLOCK)} or pass pad=True")
+    return _ceil_to(size, BLOCK)
+
+
+def _as_3d(x: Tensor) -> Tensor:
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if x.dim() == 3:
+        return x
+    raise ValueError(f"expected a 2-D (M, K) or 3-D (E, M, K) tensor, got shape {tuple(x.shape)}")
+
+
+# Under the interpreter every program costs a fixed overhead: large tiles, few programs.
+_TILE_INTERPRETER = (64, 256)
+
+
+def _launch_settings(kind: str) -> dict:
+    if interpreting():
+        return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "num_warps": 4, "hw_round": False}
+    return {**TUNING[kind], "hw_round": TUNING["hw_round"]}
+
+
+def launch_tile(
+    x3: Tensor, fmt: str, mode: str, *, rowwise: bool, colwise: bool, col_transpose: bool = True,
+    write_q: bool = True, dq_dtype: torch.dtype | None = None, blocked: bool = False, pad: bool = False,
+) -> dict[str, Tensor]:
+    """Run ``_mx_tile_kernel`` on x3 (B, R, C); returns the outputs asked for by name:
+    ``q_row``, ``s_row``, ``dq_row``, ``q_col``, ``s_col``, ``dq_col``."""
+    _check_tensor(x3)
+    elem, q_dtype, mode_code = _codes(fmt, mode)
+    B, R, C = x3.shape
+    Cp = _check_blocked_dim(C, "the row length (blocked dim of the row-wise copy)", pad) if rowwise else C
+    Rp = _check_blocked_dim(R, "the column length (blocked dim of the column-wise copy)", pad) if colwise else R
+    if blocked and colwise and not col_transpose:
+        raise ValueError("blocked scales are written for row-wise and transposed column-wise copies only")
+    dev = x3.device
+    out: dict[str, Tensor] = {}
+    u8 = torch.uint8
+    dummy = torch.empty(1, dtype=u8, device=dev)
+    q_row = s_row = dq_row = q_col = s_col = dq_col = dummy
+    R128, C128 = _ceil_to(R, 128), _ceil_to(C, 128)
+    if rowwise:
+        if write_q:
+            q_row = torch.empty(B, R, Cp, dtype=u8, device=dev)
+            s_row = (torch.zeros(B, blocked_scales_numel(R, Cp // BLOCK), dtype=u8, device=dev) if blocked
+                     else torch.empty(B, R, Cp // BLOCK, dtype=u8, device=dev))
+            out["q_row"], out["s_row"] = q_row, s_row
+        if dq_dtype is not None:
+            dq_row = out["dq_row"] = torch.empty(B, R, C, dtype=dq_dtype, device=dev)
+    if colwise:
+        if write_q:
+            if col_transpose:
+                q_col = torch.empty(B, C, Rp, dtype=u8, device=dev)
+                s_col = (torch.zeros(B, blocked_scales_numel(C, Rp // BLOCK), dtype=u8, device=dev) if blocked
+                         else torch.empty(B, C, Rp // BLOCK, dtype=u8, device=dev))
+            else:
+                q_col = torch.empty(B, Rp, C, dtype=u8, device=dev)
+                s_col = torch.empty(B, Rp // BLOCK, C, dtype=u8, device=dev)
+            out["q_col"], out["s_col"] = q_col, s_col
+        if dq_dtype is not None:
+            shape = (B, C, R) if col_transpose else (B, R, C)
+            dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
+    if B and R and C:
+        cfg = _launch_settings("colwise" if colwise else "rowwise")
+        block_r, block_c = cfg["tile"]
+        grid = (triton.cdiv(Cp, block_c), triton.cdiv(Rp, block_r), B)
+        tk._mx_tile_kernel[grid](
+            x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C,
+            q_row, s_row, dq_row, q_col, s_col, dq_col, Rp, Cp, R128, C128,
+            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, COLWISE=colwise, COL_T=col_transpose,
+            WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked, HW_ROUND=cfg["hw_round"],
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+        )
+    for k in ("q_row", "q_col"):
+        if k in out:
+            out[k] = out[k].view(q_dtype)
+    for k in ("s_row", "s_col"):
+        if k in out:
+            out[k] = out[k].view(torch.float8_e8m0fnu)
+    return out
+
+
+def _squeeze_to(t: Tensor, was_2d: bool) -> Tensor:
+    return t.squeeze(0) if was_2d else t
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+
+def _rows_view(x: Tensor, blocked: bool) -> Tensor:
+    """(B, R, K) view for row-wise quantization: 2-D and 3-D inputs keep their matrices
+    (one blocked scale matrix each); other ranks flatten their leading dims into rows."""
+    if x.dim() in (2, 3):
+        return _as_3d(x)
+    if blocked:
+        raise ValueError(f"blocked scales need a 2-D or 3-D input, got shape {tuple(x.shape)}")
+    return x.reshape(1, -1, x.shape[-1])
+
+
+@torch.library.custom_op("mxmoe::quantize_rowwise", mutates_args=())
+def quantize_rowwise(x: Tensor, fmt: str = "e4m3", mode: str = "rceil", blocked: bool = False,
+                     pad: bool = False) -> tuple[Tensor, Tensor]:
+    """Blocks along the last dim. x (..., K) -> codes (..., Kp) FP8, scales (..., Kp / 32)
+    E8M0; blocked: x (M, K) -> scales (M128 * C4,), x (E, M, K) -> (E, M128 * C4)."""
+    out = launch_tile(_rows_view(x, blocked), fmt, mode, rowwise=True, colwise=False, blocked=blocked, pad=pad)
+    q = out["q_row"].reshape(*x.shape[:-1], -1)
+    s = out["s_row"]
+    s = _squeeze_to(s, x.dim() == 2) if blocked else s.reshape(*x.shape[:-1], -1)
+    return q, s
+
+
+@quantize_rowwise.register_fake
+def _(x, fmt="e4m3", mode="rceil", blocked=False, pad=False):
+    lead, Kp = x.shape[:-1], _ceil_to(x.shape[-1], BLOCK)
+    q = x.new_empty(*lead, Kp, dtype=_codes(fmt, mode)[1])
+    if not blocked:
+        return q, x.new_empty(*lead, Kp // BLOCK, dtype=torch.float8_e8m0fnu)
+    x3 = _rows_view(x, blocked)
+    s = x.new_empty(x3.shape[0], blocked_scales_numel(x3.shape[1], Kp // BLOCK), dtype=torch.float8_e8m0fnu)
+    return q, _squeeze_to(s, x.dim() == 2)
+
+
+@torch.library.custom_op("mxmoe::quantize_colwise", mutates_args=())
+def quantize_colwise(x: Tensor, fmt: str = "e4m3", mode: str = "rceil", blocked: bool = False,
+                     pad: bool = False) -> tuple[Tensor, Tensor]:
+    """Blocks along M, written transposed: x (M, K) / (E, M, K) -> codes (..., K, Mp),
+    scales (..., K, Mp / 32) (blocked: (..., K128 * C4))."""
+    was_2d = x.dim() == 2
+    out = launch_tile(_as_3d(x), fmt, mode, rowwise=False, colwise=True, blocked=blocked, pad=pad)
+    return _squeeze_to(out["q_col"], was_2d), _squeeze_to(out["s_col"], was_2d)
+
+
+@quantize_colwise.register_fake
+def _(x, fmt="e4m3", mode="rceil", blocked=False, pad=False):
+    x3 = _as_3d(x)
+    B, M, K = x3.shape
+    Mp = _ceil_to(M, BLOCK)
+    q = x.new_empty(B, K, Mp, dtype=_codes(fmt, mode)[1])
+    s = (x.new_empty(B, blocked_scales_numel(K, Mp // BLOCK), dtype=torch.float8_e8m0fnu) if blocked
+         else x.new_empty(B, K, Mp // BLOCK, dtype=torch.float8_e8m0fnu))
+    return _squeeze_to(q, x.dim() == 2), _squeeze_to(s, x.dim() == 2)
+
+
+@torch.library.custom_op("mxmoe::quantize_rowcol", mutates_args=())
+def quantize_rowcol(x: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                    blocked: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both copies from one read: x (M, K) / (E, N, K) -> row-wise codes and scales
+    (blocks along K) and transposed column-wise codes (..., K, M) and scales (..., K, M / 32)."""
+    was_2d = x.dim() == 2
+    out = launch_tile(_as_3d(x), fmt, mode, rowwise=True, colwise=True, blocked=blocked)
+    return tuple(_squeeze_to(out[k], was_2d) for k in ("q_row", "s_row", "q_col", "s_col"))
+
+
+@quantize_rowcol.register_fake
+def _(x, fmt="e4m3", mode="rceil", blocked=False):
+    x3 = _as_3d(x)
+    B, M, K = x3.shape
+    qd = _codes(fmt, mode)[1]
+    e8 = torch.float8_e8m0fnu
+    q_row = x3.new_empty(B, M, K, dtype=qd)
+    s_row = (x3.new_empty(B, blocked_scales_numel(M, K // BLOCK), dtype=e8) if blocked
+             else x3.new_empty(B, M, K // BLOCK, dtype=e8))
+    q_col = x3.new_empty(B, K, M, dtype=qd)
+    s_col = (x3.new_empty(B, blocked_scales_numel(K, M // BLOCK), dtype=e8) if blocked
+             else x3.new_empty(B, K, M // BLOCK, dtype=e8))
+    was_2d = x.dim() == 2
+    return tuple(_squeeze_to(t, was_2d) for t in (q_row, s_row, q_col, s_col))
+
+
+def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bool,
+                    dq_dtype: torch.dtype | None, blocked: bool) -> dict[str, Tensor]:
+    _check_tensor(x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, C), got shape {tuple(x.shape)}")
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != x.device:
+        raise ValueError(f"offsets must be a 1-D int32 tensor on {x.device}, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
+    elem, q_dtype, mode_code = _codes(fmt, mode)
+    T, C = x.shape
+    E = offsets.numel()
+    block_starts, padded_offsets, Tp = padded_group_layout(offsets, T)
+    dev = x.device
+    u8 = torch.uint8
+    dummy = torch.empty(1, dtype=u8, device=dev)
+    out = {"padded_offsets": padded_offsets}
+    q = s = dq = dummy
+    if write_q:
+        q = torch.empty(C, Tp, dtype=u8, device=dev)
+        s = (torch.zeros(blocked_scales_numel(C, Tp // BLOCK), dtype=u8, device=dev) if blocked
+             else torch.empty(C, Tp // BLOCK, dtype=u8, device=dev))
+        out["q"], out["s"] = q.view(q_dtype), s.view(torch.float8_e8m0fnu)
+    if dq_dtype is not None:
+        dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
+    if C and Tp and E:
+        cfg = _launch_settings("grouped")
+        block_c = cfg["block_c"]
+        grid = (triton.cdiv(C, block_c), Tp // BLOCK)
+        tk._mx_grouped_col_kernel[grid](
+            x, x.stride(0), x.stride(1), C, offsets.to(torch.int32), block_starts, E,
+            q, s, dq, Tp, _ceil_to(C, 128),
+            ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
+            HW_ROUND=cfg["hw_round"], E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c,
+            num_warps=cfg["num_warps"],
+        )
+    else:  # nothing to read: every output is zeros (scale byte 0)
+        for t in (q, s, dq):
+            if t is not dummy:
+                t.zero_()
+    return out
+
+
+@torch.library.custom_op("mxmoe::quantize_grouped_colwise", mutates_args=())
+def quantize_grouped_colwise(x: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                             blocked: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Tokens of each expert in their own blocks, transposed and padded per expert:
+    x (T, C) sorted by expert, offsets (E,) int32 cumulative ends -> codes (C, Tp),
+    scales (C, Tp / 32) (blocked: (C128 * C4,)), padded offsets (E,) int32.
+    Tp = 32 * (T // 32 + E); see :mod:`mxmoe.numerics.grouped`."""
+    out = _grouped_launch(x, offsets, fmt, mode, True, None, blocked)
+    return out["q"], out["s"], out["padded_offsets"]
+
+
+@quantize_grouped_colwise.register_fake
+def _(x, offsets, fmt="e4m3", mode="rceil", blocked=False):
+    T, C = x.shape
+    Tp = BLOCK * (T // BLOCK + offsets.shape[0])
+    q = x.new_empty(C, Tp, dtype=_codes(fmt, mode)[1])
+    s = (x.new_empty(blocked_scales_numel(C, Tp // BLOCK), dtype=torch.float8_e8m0fnu) if blocked
+         else x.new_empty(C, Tp // BLOCK, dtype=torch.float8_e8m0fnu))
+    return q, s, offsets.new_empty(offsets.shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("mxmoe::dequantize_rowwise", mutates_args=())
+def dequantize_rowwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (..., K) FP8 and plain scales (..., K / 32) E8M0 -> values (..., K) in
+    ``out_dtype`` (float32 or bfloat16): P_i * 2^(b - 127) exact in float32, then rounded."""
+    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+    if out_dtype not in _DQ_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    K = q.shape[-1]
+    if K % BLOCK or scale.shape != (*q.shape[:-1], K // BLOCK):
+        raise ValueError(f"scales must have shape {(*q.shape[:-1], K // BLOCK)} for codes {tuple(q.shape)} "
+                         f"(K a multiple of {BLOCK}), got {tuple(scale.shape)}")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError("dequantize_rowwise needs CUDA tensors (or TRITON_INTERPRET=1)")
+    elem = tk.ELEM_E4M3 if q.dtype == torch.float8_e4m3fn else tk.ELEM_E5M2
+    rows = q.numel() // K if K else 0
+    q2 = q.contiguous().view(torch.uint8).reshape(rows, K)
+    s2 = scale.contiguous().view(torch.uint8).reshape(rows, K // BLOCK)
+    out = torch.empty(rows, K, dtype=out_dtype, device=q.device)
+    if rows and K:
+        cfg = _launch_settings("dequant")
+        block_r, block_c = cfg["tile"]
+        grid = (triton.cdiv(K, block_c), triton.cdiv(rows, block_r))
+        tk._mx_dequant_kernel[grid](q2, s2, out, rows, K, ELEM=elem, BLOCK_R=block_r, BLOCK_C=block_c,
+                                    num_warps=cfg["num_warps"])
+    return out.view(q.shape)
+
+
+@dequantize_rowwise.register_fake
+def _(q, scale, out_dtype=torch.float32):
+    return q.new_empty(q.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("mxmoe::fake_quantize", mutates_args=())
+def fake_quantize(x: Tensor, dim: int, fmt: str = "e4m3", mode: str = "rceil",
+                  out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """dequantize(quantize(x, blocks along ``dim``)) in one pass, same shape as x; a
+    blocked size that is not a multiple of 32 is zero padded (exact for a GEMM along it)."""
+    if out_dtype not in _DQ_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    dim = dim % x.dim()
+    shape = x.shape
+    P, L, S = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    if S == 1:
+        out = launch_tile(x.reshape(1, P, L), fmt, mode, rowwise=True, colwise=False, write_q=False,
+                          dq_dtype=out_dtype, pad=True)["dq_row"]
+    else:
+        out = launch_tile(x.reshape(P, L, S), fmt, mode, rowwise=False, colwise=True, col_transpose=False,
+                          write_q=False, dq_dtype=out_dtype, pad=True)["dq_col"]
+    return out.view(shape)
+
+
+@fake_quantize.register_fake
+def _(x, dim, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise", mutates_args=())
+def fake_quantize_grouped_colwise(x: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                                  out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """Dequantized per-expert token blocks in the padded transposed layout: x (T, C) ->
+    (C, Tp) values in ``out_dtype`` and the padded offsets (E,) int32."""
+    if out_dtype not in _DQ_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    out = _grouped_launch(x, offsets, fmt, mode, False, out_dtype, False)
+    return out["dq"], out["padded_offsets"]
+
+
+@fake_quantize_grouped_colwise.register_fake
+def _(x, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
+    T, C = x.shape
+    Tp = BLOCK * (T // BLOCK + offsets.shape[0])
+    return x.new_empty(C, Tp, dtype=out_dtype), offsets.new_empty(offsets.shape, dtype=torch.int32)

@@ -1,0 +1,310 @@
+"""Triton MX quantization kernels (FP8 elements: E4M3 and E5M2; scale rules floor and rceil).
+
+Every kernel matches the pure-torch reference (:mod:`mxmoe.numerics.reference`) bit for bit
+on element bytes and scale bytes (docs/NUMERICS.md). Two kernels cover all layouts:
+
+- ``_mx_tile_kernel`` reads a (B, R, C) tensor (any strides) once, tile by tile, and writes
+  any of: row-wise codes (blocks along C) with scales (B, R, C/32); column-wise codes
+  (blocks along R), either transposed to (B, C, R) with scales (B, C, R/32) (the copy the
+  backward GEMMs read) or in place (B, R, C) with scales (B, R/32, C); and the dequantized
+  values of either (the fused quantize-dequantize of the emulated GEMMs). B = 1 for a
+  2-D tensor, B = E for 3-D expert weights.
+- ``_mx_grouped_col_kernel`` quantizes the rows (tokens) of a (T, C) tensor sorted by
+  expert, each expert's tokens in their own blocks, into a transposed, per-expert padded
+  layout (C, Tp): expert e's tokens start at column 32 * block_start[e], its last block
+  is zero padded, Tp = 32 * (T // 32 + E) is a static bound (no host sync).
+
+How the bits are made (identical on the GPU and under ``TRITON_INTERPRET=1``):
+- amax is an integer max over the float32 bit patterns with the sign cleared, so a NaN
+  (largest pattern) or an infinity always wins: no NaN-ignoring float max.
+- the scale exponent is read off the float32 exponent field (floor) or computed from
+  d = amax * float32(1 / max_normal) as ceil(log2(d)) from d's bits (rceil).
+- elements are scaled by an exact power of two, saturated, then rounded to the element
+  grid in float32 (add and subtract 1.5 * 2^(k + 23 - mbits), which rounds to nearest
+  even at the grid spacing of y's binade k), so the float8 cast that follows is exact:
+  no dependence on how a platform's cast breaks ties.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Element format and scale mode codes (constexpr arguments).
+ELEM_E4M3 = 0
+ELEM_E5M2 = 1
+MODE_FLOOR = 0
+MODE_RCEIL = 1
+BLOCK = 32  # the MX block size: every kernel here is specialised to it
+
+
+# Per-format constants (docs/NUMERICS.md table). The reciprocal is the float32 rounding of
+# 1 / max_normal, as the rceil rule prescribes.
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_INV_MAX = tl.constexpr(1.0 / 448.0)
+E4M3_EMAX = tl.constexpr(8)
+E4M3_MBITS = tl.constexpr(3)
+E4M3_MIN_EXP = tl.constexpr(-6)
+E5M2_MAX = tl.constexpr(57344.0)
+E5M2_INV_MAX = tl.constexpr(1.0 / 57344.0)
+E5M2_EMAX = tl.constexpr(15)
+E5M2_MBITS = tl.constexpr(2)
+E5M2_MIN_EXP = tl.constexpr(-14)
+
+
+@triton.jit
+def _scale_exponent(amax_bits, ELEM: tl.constexpr, MODE: tl.constexpr):
+    """Block amax (int32 bit pattern, sign clear) -> (unbiased scale exponent e in
+    [-127, 127] (0 for non-finite blocks), non-finite flag)."""
+    nonfinite = amax_bits >= 0x7F800000
+    if MODE == 0:
+        # floor(log2(amax)) - emax_elem; a zero or subnormal amax clamps to -127 below
+        if ELEM == 0:
+            e = ((amax_bits >> 23) & 0xFF) - 127 - E4M3_EMAX
+        else:
+            e = ((amax_bits >> 23) & 0xFF) - 127 - E5M2_EMAX
+    else:
+        if ELEM == 0:
+            d = amax_bits.to(tl.float32, bitcast=True) * E4M3_INV_MAX
+        else:
+            d = amax_bits.to(tl.float32, bitcast=True) * E5M2_INV_MAX
+        d_bits = d.to(tl.int32, bitcast=True)
+        d_exp = (d_bits >> 23) & 0xFF
+        d_man = d_bits & 0x7FFFFF
+        e_normal = d_exp - 127 + (d_man != 0).to(tl.int32)
+        # subnormal d = man * 2^-149: ceil(log2 d) is -126 above 2^-127, else <= -127
+        e_sub = tl.where(d_man > 0x400000, -126, -127)
+        e = tl.where(d_exp == 0, e_sub, e_normal)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = tl.where(nonfinite, 0, e)
+    return e, nonfinite
+
+
+@triton.jit
+def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+    """x float32, e / nonfinite broadcast to x's shape -> (rounded element values r as
+    float32 (exact grid values, sign of zero kept), element codes as uint8).
+
+    HW_ROUND=False rounds in float32 arithmetic first (the float8 cast is then exact);
+    HW_ROUND=True leaves rounding to the float8 cast instruction (round to nearest even
+    with saturation on sm89+; not in the interpreter, whose cast does not break ties to even).
+    """
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, a normal float
+    y = x * inv_scale
+    if ELEM == 0:
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+    else:
+        y = tl.minimum(tl.maximum(y, -E5M2_MAX), E5M2_MAX)
+    if HW_ROUND:
+        if ELEM == 0:
+            f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            f8 = y.to(tl.float8e5, fp_downcast_rounding="rtne")
+        r = f8.to(tl.float32)
+        codes = f8.to(tl.uint8, bitcast=True)
+    else:
+        y_bits = y.to(tl.int32, bitcast=True)
+        # rounding constant 1.5 * 2^(k + 23 - mbits), k = binade of y (not below the normal range)
+        if ELEM == 0:
+            k_field = tl.maximum(y_bits & 0x7F800000, (127 + E4M3_MIN_EXP) << 23)
+            c = (k_field + (((23 - E4M3_MBITS) << 23) + 0x400000)).to(tl.float32, bitcast=True)
+        else:
+            k_field = tl.maximum(y_bits & 0x7F800000, (127 + E5M2_MIN_EXP) << 23)
+            c = (k_field + (((23 - E5M2_MBITS) << 23) + 0x400000)).to(tl.float32, bitcast=True)
+        r = (y + c) - c
+        r = (r.to(tl.int32, bitcast=True) | (y_bits & -2147483648)).to(tl.float32, bitcast=True)
+        if ELEM == 0:
+            codes = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = r.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    x_sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    codes = tl.where(nonfinite, x_sign | 0x7F, codes)
+    return r, codes
+
+
+@triton.jit
+def _dequantized(r, e, nonfinite):
+    """Element values r times 2^e (exact in float32), NaN for non-finite blocks."""
+    e_bits = tl.where(e >= -126, (e + 127) << 23, 0x400000)  # 2^-127 is a float32 subnormal
+    value = r * e_bits.to(tl.float32, bitcast=True)
+    return tl.where(nonfinite, float("nan"), value)
+
+
+@triton.jit
+def _to_float32(x):
+    """Exact widening to float32. bfloat16 goes through its bits (the top half of a
+    float32), which keeps bf16 subnormals in the Triton interpreter too, whose own cast
+    flushes them."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _from_float32(v, dtype: tl.constexpr):
+    """Round float32 ``v`` to ``dtype`` (nearest, ties to even). bfloat16 is rounded on the
+    bits (subnormals included; the interpreter's own cast flushes them); NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def _blocked_scale_offset(r, c, n_col_tiles):
+    """Byte offset of scale (r, c) in the Blackwell blocked layout (docs/NUMERICS.md)."""
+    tile = (r // 128) * n_col_tiles + (c // 4)
+    return tile * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + (c % 4)
+
+
+@triton.jit
+def _mx_tile_kernel(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
+    # row-wise outputs (blocks along C): codes (B, R, Cp), scales (B, R, Cp / 32), dequantized (B, R, C)
+    qr_ptr, sr_ptr, dr_ptr,
+    # column-wise outputs (blocks along R): transposed (B, C, Rp) / (B, C, Rp / 32), or (B, Rp, C) / (B, Rp / 32, C)
+    qc_ptr, sc_ptr, dc_ptr,
+    Rp, Cp, R128, C128,  # padded extents; R128 / C128: rows of the blocked scale layouts
+    ELEM: tl.constexpr, MODE: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COL_T: tl.constexpr,
+    WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    in_mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = _to_float32(tl.load(x_ptr + b * stride_xb + rows64[:, None] * stride_xr + cols64[None, :] * stride_xc,
+                            mask=in_mask, other=0.0))
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    if ROWWISE:
+        amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R, BLOCK_C // 32)
+        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+        row_ok = rows < R
+        if WRITE_Q:
+            q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
+            tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols < Cp)[None, :])
+            sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+            scols = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+            s_mask = row_ok[:, None] & (scols < Cp // 32)[None, :]
+            if BLOCKED:
+                n_col_tiles = (Cp // 32 + 3) // 4
+                s_off = b * R128 * n_col_tiles * 4 + _blocked_scale_offset(rows64[:, None], scols[None, :], n_col_tiles)
+            else:
+                s_off = b * R * (Cp // 32) + rows64[:, None] * (Cp // 32) + scols[None, :]
+            tl.store(sr_ptr + s_off, sbits, mask=s_mask)
+        if WRITE_DQ:
+            d_off = b * R * C + rows64[:, None] * C + cols64[None, :]
+            tl.store(dr_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dr_ptr.dtype.element_ty), mask=in_mask)
+
+    if COLWISE:
+        amax = tl.max(tl.reshape(abs_bits, (BLOCK_R // 32, 32, BLOCK_C)), axis=1)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
+        e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
+        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+        col_ok = cols < C
+        out_mask = (rows < Rp)[:, None] & col_ok[None, :]
+        srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
+        s_mask = (srows < Rp // 32)[:, None] & col_ok[None, :]
+        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+        if COL_T:
+            if WRITE_Q:
+                tl.store(qc_ptr + b * C * Rp + cols64[None, :] * Rp + rows64[:, None], codes, mask=out_mask)
+                if BLOCKED:
+                    n_col_tiles = (Rp // 32 + 3) // 4
+                    s_off = b * C128 * n_col_tiles * 4 + _blocked_scale_offset(cols64[None, :], srows[:, None], n_col_tiles)
+                else:
+                    s_off = b * C * (Rp // 32) + cols64[None, :] * (Rp // 32) + srows[:, None]
+                tl.store(sc_ptr + s_off, sbits, mask=s_mask)
+            if WRITE_DQ:
+                d_off = b * C * R + cols64[None, :] * R + rows64[:, None]
+                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty), mask=in_mask)
+        else:
+            if WRITE_Q:
+                tl.store(qc_ptr + b * Rp * C + rows64[:, None] * C + cols64[None, :], codes, mask=out_mask)
+                tl.store(sc_ptr + b * (Rp // 32) * C + srows[:, None] * C + cols64[None, :], sbits, mask=s_mask)
+            if WRITE_DQ:
+                d_off = b * R * C + rows64[:, None] * C + cols64[None, :]
+                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty), mask=in_mask)
+
+
+@triton.jit
+def _mx_grouped_col_kernel(
+    x_ptr, stride_xt, stride_xc, C,
+    ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
+    q_ptr, s_ptr, d_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32), dequantized (C, Tp)
+    ELEM: tl.constexpr, MODE: tl.constexpr,
+    WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    blk = tl.program_id(1)  # 32-token block of the padded layout
+    # expert of this block: the number of experts whose padded blocks end at or before it
+    ge = tl.arange(0, E_POW2)
+    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
+    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    g_safe = tl.minimum(g, E - 1)
+    block_start = tl.load(block_starts_ptr + g_safe)
+    tok_end = tl.where(g < E, tl.load(ends_ptr + g_safe), 0)  # past the last expert: read nothing
+    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    toks = tok_start + (blk - block_start) * 32 + tl.arange(0, 32)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols64 = cols.to(tl.int64)
+    tok_ok = toks < tok_end
+    in_mask = tok_ok[:, None] & (cols < C)[None, :]
+    x = _to_float32(tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_xt + cols64[None, :] * stride_xc,
+                            mask=in_mask, other=0.0))
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.max(abs_bits, axis=0)  # (BLOCK_C,)
+    e, nf = _scale_exponent(amax, ELEM, MODE)
+    e_x = tl.broadcast_to(e[None, :], (32, BLOCK_C))
+    nf_x = tl.broadcast_to(nf[None, :], (32, BLOCK_C))
+    r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+    pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)  # column in the padded layout
+    out_mask = (cols < C)[None, :] & (pos < Tp)[:, None]
+    if WRITE_Q:
+        tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
+        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+        if BLOCKED:
+            n_col_tiles = (Tp // 32 + 3) // 4
+            s_off = _blocked_scale_offset(cols64, blk.to(tl.int64), n_col_tiles)
+        else:
+            s_off = cols64 * (Tp // 32) + blk
+        tl.store(s_ptr + s_off, sbits, mask=cols < C)
+    if WRITE_DQ:
+        tl.store(d_ptr + cols64[None, :] * Tp + pos[:, None],
+                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _mx_dequant_kernel(
+    q_ptr, s_ptr, out_ptr, n_rows, n_cols,  # codes (rows, cols), scales (rows, cols / 32)
+    ELEM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    codes = tl.load(q_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0)
+    if ELEM == 0:
+        elems = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        elems = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    sbits = tl.load(s_ptr + rows[:, None] * (n_cols // 32) + scols[None, :],
+                    mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127).to(tl.int32)
+    sb_x = tl.reshape(tl.broadcast_to(sbits[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    value = _dequantized(elems, sb_x - 127, sb_x == 255)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty), mask=mask)

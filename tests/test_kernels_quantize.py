@@ -1,0 +1,269 @@
+"""Triton quantization kernels: bit-exact against the pure-torch reference.
+
+Without a GPU these run in the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1) at small shapes; benchmarks/check_kernels_cuda.py runs the same
+comparisons at large shapes on the H200.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mxmoe import quantize_mx, to_blocked_scales  # noqa: E402
+from mxmoe.kernels import quantize as kq  # noqa: E402
+from mxmoe.numerics import fake_quantize_mx  # noqa: E402
+from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FMT_MODES = [(f, m) for f in ("e4m3", "e5m2") for m in ("rceil", "floor")]
+CASES = json.loads((Path(__file__).parent / "data" / "mx_blocks.json").read_text())["cases"]
+
+
+def hard(M: int, K: int, seed: int, dtype=torch.float32, specials: bool = True) -> torch.Tensor:
+    """(M, K) with per-32-block exponents over 2^-40..2^40 (along both axes), zeros,
+    float32 subnormals and, optionally, NaN / +-inf sprinkled in."""
+    g = torch.Generator().manual_seed(seed)
+    e_row = torch.randint(-40, 41, (M, 1), generator=g)
+    e_col = torch.randint(-20, 21, (1, (K + 31) // 32), generator=g).repeat_interleave(32, 1)[:, :K]
+    inner = torch.rand(M, K, generator=g, dtype=torch.float64) * 10 - 9
+    x = torch.exp2((e_row + e_col).clamp(-60, 60) + inner) * torch.where(torch.rand(M, K, generator=g) < 0.5, -1, 1)
+    x = x.float()
+    x[torch.rand(M, K, generator=g) < 0.03] = 0.0
+    x[torch.rand(M, K, generator=g) < 0.01] = 1e-40
+    if specials and M * K > 64:
+        flat = x.view(-1)
+        for v in (float("nan"), float("inf"), -float("inf")):
+            flat[torch.randint(0, M * K, (max(M * K // 500, 1),), generator=g)] = v
+    return x.to(dtype).to(DEV)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def ref_rowwise(x, fmt, mode, pad=False):
+    mx = quantize_mx(x.cpu(), fmt, dim=-1, scale_mode=mode, pad=pad, backend="reference")
+    return u8(mx.qdata), u8(mx.scale)
+
+
+def ref_colwise_t(x, fmt, mode, pad=False):
+    """Blocks along dim -2, then transposed: (..., K, Mp) codes, (..., K, Mp / 32) scales."""
+    mx = quantize_mx(x.cpu(), fmt, dim=-2, scale_mode=mode, pad=pad, backend="reference")
+    return u8(mx.qdata.transpose(-1, -2)), u8(mx.scale.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("M,K", [(1, 32), (33, 96), (1000, 96), (33, 2880), (1, 2880), (1000, 32)])
+@pytest.mark.parametrize("fmt,mode", FMT_MODES)
+def test_rowwise_bit_exact(M, K, fmt, mode):
+    dtype = torch.bfloat16 if (M + K) % 2 else torch.float32
+    x = hard(M, K, seed=M * 7 + K, dtype=dtype)
+    q, s = kq.quantize_rowwise(x, fmt, mode)
+    rq, rs = ref_rowwise(x, fmt, mode)
+    assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs)
+
+
+def test_rowwise_large_shape_both_dtypes():
+    """M = 1000, K = 2880: masked row tail and a column tail inside a tile."""
+    for dtype, (fmt, mode) in ((torch.float32, ("e4m3", "rceil")), (torch.bfloat16, ("e5m2", "floor"))):
+        x = hard(1000, 2880, seed=5, dtype=dtype)
+        q, s = kq.quantize_rowwise(x, fmt, mode)
+        rq, rs = ref_rowwise(x, fmt, mode)
+        assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs)
+
+
+@pytest.mark.parametrize("M,K", [(32, 32), (96, 33), (1024, 96), (64, 2880)])
+@pytest.mark.parametrize("fmt,mode", FMT_MODES)
+def test_colwise_and_rowcol_bit_exact(M, K, fmt, mode):
+    dtype = torch.bfloat16 if K % 2 else torch.float32
+    x = hard(M, K, seed=M + K, dtype=dtype)
+    qt, st = kq.quantize_colwise(x, fmt, mode)
+    rq, rs = ref_colwise_t(x, fmt, mode)
+    assert qt.shape == (K, M) and st.shape == (K, M // 32)
+    assert torch.equal(u8(qt), rq) and torch.equal(u8(st), rs)
+    if K % 32 == 0:
+        q, s, qt2, st2 = kq.quantize_rowcol(x, fmt, mode)
+        rq_row, rs_row = ref_rowwise(x, fmt, mode)
+        assert torch.equal(u8(q), rq_row) and torch.equal(u8(s), rs_row)
+        assert torch.equal(u8(qt2), rq) and torch.equal(u8(st2), rs)
+
+
+def test_colwise_needs_a_multiple_of_32_or_pad():
+    x = hard(33, 64, seed=1)
+    with pytest.raises(ValueError, match="33, not a multiple of the block size 32.*pad=True"):
+        kq.quantize_colwise(x)
+    qt, st = kq.quantize_colwise(x, pad=True)
+    rq, rs = ref_colwise_t(x, "e4m3", "rceil", pad=True)
+    assert qt.shape == (64, 64) and torch.equal(u8(qt), rq) and torch.equal(u8(st), rs)
+
+
+@pytest.mark.parametrize("fmt,mode", FMT_MODES)
+def test_expert_weights_3d_both_ways(fmt, mode):
+    E, N, K = 3, 64, 96
+    w = torch.stack([hard(N, K, seed=e) for e in range(E)]).to(DEV)
+    q, s, qt, st = kq.quantize_rowcol(w, fmt, mode)
+    rq, rs = ref_rowwise(w, fmt, mode)
+    rqt, rst = ref_colwise_t(w, fmt, mode)
+    assert q.shape == (E, N, K) and qt.shape == (E, K, N) and st.shape == (E, K, N // 32)
+    assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs)
+    assert torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_worked_cases_at_every_position(dtype):
+    """Each case of ../shared/cases/mx_blocks.json placed inside larger tensors, as a
+    row-wise block and as a column-wise block, at several positions; in bf16 the cases
+    become bf16 subnormals, huge values and ties of their own, which must match too."""
+    for i, case in enumerate(CASES):
+        if case["fmt"] not in ("e4m3", "e5m2"):
+            continue
+        vals = torch.tensor([float(v) for v in case["values"]], dtype=torch.float32)
+        x = hard(96, 128, seed=100 + i, specials=False).cpu()
+        r, c = (i * 7) % 96, 32 * (i % 4)
+        x[r, c:c + 32] = vals  # a row-wise block
+        cc, rr = (c + 32 + (i * 13) % 32) % 128, 32 * (i % 3)
+        x[rr:rr + 32, cc] = vals  # a column-wise block, in another column group
+        x = x.to(dtype).to(DEV)
+        q, s, qt, st = kq.quantize_rowcol(x, case["fmt"], case["scale_mode"])
+        rq, rs = ref_rowwise(x, case["fmt"], case["scale_mode"])
+        rqt, rst = ref_colwise_t(x, case["fmt"], case["scale_mode"])
+        assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs), case["name"]
+        assert torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst), case["name"]
+        if dtype is torch.float32:
+            assert u8(s)[r, c // 32].item() == case["scale_byte"], case["name"]
+            assert u8(st)[cc, rr // 32].item() == case["scale_byte"], case["name"]
+        for d in (0, 1):  # the fused quantize-dequantize of the recipe, bf16 output
+            want = fake_quantize_mx(x.cpu(), case["fmt"], dim=d, scale_mode=case["scale_mode"],
+                                    out_dtype=torch.bfloat16, backend="reference")
+            got = fake_quantize_mx(x, case["fmt"], dim=d, scale_mode=case["scale_mode"],
+                                   out_dtype=torch.bfloat16, backend="triton").cpu()
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan]), case["name"]
+
+
+GROUPS = {
+    "empty_one_31_33": [0, 1, 31, 33, 0, 64],
+    "all_on_one_expert": [0, 130, 0],
+    "single_expert": [70],
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPS))
+@pytest.mark.parametrize("fmt,mode", FMT_MODES)
+def test_grouped_colwise_bit_exact(name, fmt, mode):
+    sizes = GROUPS[name]
+    T, C = sum(sizes) + 9, 96  # 9 rows past the last offset hold NaN: never read
+    x = hard(T, C, seed=len(name))
+    x[sum(sizes):] = float("nan")
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    q, s, pofs = kq.quantize_grouped_colwise(x, offsets, fmt, mode)
+    rq, rs, rpofs = torch_quantize_grouped_dim0(x.cpu(), offsets.cpu(), fmt, mode)
+    Tp = 32 * (T // 32 + len(sizes))
+    assert q.shape == (C, Tp) and s.shape == (C, Tp // 32)
+    assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs))
+    assert torch.equal(pofs.cpu(), rpofs)
+    dq, pofs2 = kq.fake_quantize_grouped_colwise(x, offsets, fmt, mode, torch.float32)
+    want = torch.ops.mxmoe.dequantize_rowwise(q, s, torch.float32)
+    assert torch.equal(dq.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0)) and torch.equal(pofs2, pofs)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_and_fake_quantize_match_reference(out_dtype, fmt):
+    x = hard(64, 96, seed=3, dtype=torch.bfloat16)
+    mx = quantize_mx(x.cpu(), fmt, backend="reference")
+    want = mx.dequantize(out_dtype, backend="reference")
+    got = kq.dequantize_rowwise(mx.qdata.to(DEV), mx.scale.to(DEV), out_dtype).cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+    for dim in (0, 1):
+        want = fake_quantize_mx(x.cpu(), fmt, dim=dim, out_dtype=out_dtype, backend="reference", pad=True)
+        got = fake_quantize_mx(x, fmt, dim=dim, out_dtype=out_dtype, backend="triton", pad=True).cpu()
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_blocked_scales_equal_to_blocked_layout():
+    x = hard(200, 96, seed=9)
+    _, s_blk = kq.quantize_rowwise(x, blocked=True)
+    _, s = kq.quantize_rowwise(x)
+    assert torch.equal(u8(s_blk), u8(to_blocked_scales(s.cpu())))
+    w = torch.stack([hard(64, 160, seed=e) for e in range(2)]).to(DEV)
+    q, sb, qt, stb = kq.quantize_rowcol(w, blocked=True)
+    _, s2, _, st2 = kq.quantize_rowcol(w)
+    assert torch.equal(u8(sb), u8(to_blocked_scales(s2.cpu())))
+    assert torch.equal(u8(stb), u8(to_blocked_scales(st2.cpu())))
+    offsets = torch.tensor([40, 40, 100], dtype=torch.int32, device=DEV)
+    _, sg_blk, _ = kq.quantize_grouped_colwise(x[:120], offsets, blocked=True)
+    _, sg, _ = kq.quantize_grouped_colwise(x[:120], offsets)
+    assert torch.equal(u8(sg_blk), u8(to_blocked_scales(sg.cpu())))
+
+
+def test_quantize_mx_backend_triton_equals_reference_on_views():
+    base = hard(96, 64, seed=4)
+    for x, dim in ((base, 1), (base, 0), (base.t(), 0), (base.t(), 1), (base[:, ::2], 0), (base.view(3, 32, 64), 1)):
+        a = quantize_mx(x, dim=dim, backend="triton")
+        b = quantize_mx(x.cpu(), dim=dim, backend="reference")
+        assert torch.equal(u8(a.qdata), u8(b.qdata)) and torch.equal(u8(a.scale), u8(b.scale))
+        assert a.qdata.shape == b.qdata.shape and a.scale.shape == b.scale.shape
+    a = quantize_mx(base[:50], dim=0, pad=True, backend="triton")
+    b = quantize_mx(base[:50].cpu(), dim=0, pad=True, backend="reference")
+    assert torch.equal(u8(a.qdata), u8(b.qdata)) and a.shape == b.shape == (50, 64)
+    da, db = a.dequantize(backend="triton"), b.dequantize(backend="reference")
+    assert torch.equal(da.cpu().nan_to_num(7.0), db.nan_to_num(7.0))
+
+
+def test_triton_backend_refusals():
+    x = hard(32, 32, seed=0)
+    with pytest.raises(ValueError, match="backend='triton' covers e4m3/e5m2"):
+        quantize_mx(x, "e2m1", backend="triton")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        quantize_mx(x, backend="cuda")
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        kq.quantize_rowwise(x.half())
+
+
+def test_custom_ops_are_registered_for_compile():
+    """The ops have fake (meta) implementations: torch.compile and autograd can trace them."""
+    x = hard(64, 64, seed=2, specials=False)
+    offsets = torch.tensor([10, 64], dtype=torch.int32, device=DEV)
+    torch.library.opcheck(torch.ops.mxmoe.quantize_rowwise.default, (x, "e4m3", "rceil", False, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mxmoe.quantize_rowcol.default, (x, "e5m2", "floor", True),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mxmoe.quantize_grouped_colwise.default, (x, offsets, "e4m3", "rceil", False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.mxmoe.fake_quantize.default, (x, 0, "e4m3", "rceil", torch.bfloat16),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "mxfp8-floor"])
+def test_recipe_on_the_kernels_is_bit_identical(recipe_name):
+    """The recipe's GEMMs with the Triton quantizers give the same bits as with the
+    reference: outputs, input gradients and weight gradients."""
+    from mxmoe import get_recipe, mx_grouped_mm, mx_linear
+
+    sizes = [40, 0, 33, 31]
+    T, K, N = sum(sizes) + 3, 64, 96
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(len(sizes), N, K, generator=g) / 8).to(DEV)
+    dy = torch.randn(T, N, generator=g).to(torch.bfloat16).to(DEV)
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    results = {}
+    for backend in ("reference", "triton"):
+        r = get_recipe(recipe_name, backend=backend)
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = mx_grouped_mm(xg, wg, offsets, r)
+        y.backward(dy)
+        xl, wl = x.clone().requires_grad_(True), w[0].clone().requires_grad_(True)
+        yl = mx_linear(xl, wl, r)
+        yl.backward(dy)
+        results[backend] = [t.detach().cpu() for t in (y, xg.grad, wg.grad, yl, xl.grad, wl.grad)]
+    for a, b in zip(results["reference"], results["triton"]):
+        assert torch.equal(a, b)
