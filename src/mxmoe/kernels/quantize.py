@@ -44,12 +44,17 @@ BLOCK = tk.BLOCK
 # Launch settings: measured on the H200 (benchmarks/quantize.py sweeps them); the
 # interpreter uses large tiles, fewer programs, to keep the CPU tests quick.
 TUNING = {
+    "rows": {"block_b": 128, "num_warps": 4},  # contiguous row-wise: (n_blocks, 32) view
     "rowwise": {"tile": (32, 128), "num_warps": 4},
-    "colwise": {"tile": (64, 64), "num_warps": 4},
-    "grouped": {"block_c": 128, "num_warps": 4},
+    "colwise": {"tile": (32, 128), "num_warps": 4},
+    "grouped": {"block_c": 256, "num_warps": 4},
     "dequant": {"tile": (32, 128), "num_warps": 4},
-    "hw_round": False,  # round with the float8 cast instruction instead of float32 arithmetic
+    "hw_round": True,  # round with the float8 cast instruction (RNE, satfinite on sm89+)
+    "pack_t": False,  # transposed stores as int32 words of 4 codes
+    "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
 }
+# Under the interpreter every program costs a fixed overhead: large tiles, few programs.
+_TILE_INTERPRETER = (64, 256)
 
 
 def interpreting() -> bool:
@@ -93,14 +98,14 @@ def _as_3d(x: Tensor) -> Tensor:
     raise ValueError(f"expected a 2-D (M, K) or 3-D (E, M, K) tensor, got shape {tuple(x.shape)}")
 
 
-# Under the interpreter every program costs a fixed overhead: large tiles, few programs.
-_TILE_INTERPRETER = (64, 256)
-
-
 def _launch_settings(kind: str) -> dict:
+    """TUNING for ``kind``; under the interpreter: large tiles, float32-arithmetic
+    rounding (its float8 cast does not break ties to even) and exact bit-level casts."""
+    common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
-        return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "num_warps": 4, "hw_round": False}
-    return {**TUNING[kind], "hw_round": TUNING["hw_round"]}
+        return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
+                "hw_round": False, "soft_casts": True, **common}
+    return {**TUNING[kind], "hw_round": TUNING["hw_round"], "soft_casts": False, **common}
 
 
 def launch_tile(
@@ -143,7 +148,17 @@ def launch_tile(
         if dq_dtype is not None:
             shape = (B, C, R) if col_transpose else (B, R, C)
             dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
-    if B and R and C:
+    flat_rows = rowwise and not colwise and Cp == C and x3.is_contiguous() and _launch_settings("rows")["rows_flat"]
+    if B and R and C and flat_rows:
+        cfg = _launch_settings("rows")
+        n_blocks = B * R * (C // BLOCK)
+        tk._mx_rows_kernel[(triton.cdiv(n_blocks, cfg["block_b"]),)](
+            x3, n_blocks, C // BLOCK, q_row, s_row, dq_row, R, R128,
+            ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
+            HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_B=cfg["block_b"],
+            num_warps=cfg["num_warps"],
+        )
+    elif B and R and C:
         cfg = _launch_settings("colwise" if colwise else "rowwise")
         block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(Cp, block_c), triton.cdiv(Rp, block_r), B)
@@ -152,7 +167,8 @@ def launch_tile(
             q_row, s_row, dq_row, q_col, s_col, dq_col, Rp, Cp, R128, C128,
             ELEM=elem, MODE=mode_code, ROWWISE=rowwise, COLWISE=colwise, COL_T=col_transpose,
             WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked, HW_ROUND=cfg["hw_round"],
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+            SOFT_CASTS=cfg["soft_casts"], PACK_T=cfg["pack_t"], BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=cfg["num_warps"],
         )
     for k in ("q_row", "q_col"):
         if k in out:
@@ -281,8 +297,8 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
             x, x.stride(0), x.stride(1), C, offsets.to(torch.int32), block_starts, E,
             q, s, dq, Tp, _ceil_to(C, 128),
             ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
-            HW_ROUND=cfg["hw_round"], E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c,
-            num_warps=cfg["num_warps"],
+            HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], PACK_T=cfg["pack_t"],
+            E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c, num_warps=cfg["num_warps"],
         )
     else:  # nothing to read: every output is zeros (scale byte 0)
         for t in (q, s, dq):
@@ -335,8 +351,8 @@ def dequantize_rowwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.
         cfg = _launch_settings("dequant")
         block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(K, block_c), triton.cdiv(rows, block_r))
-        tk._mx_dequant_kernel[grid](q2, s2, out, rows, K, ELEM=elem, BLOCK_R=block_r, BLOCK_C=block_c,
-                                    num_warps=cfg["num_warps"])
+        tk._mx_dequant_kernel[grid](q2, s2, out, rows, K, ELEM=elem, SOFT_CASTS=cfg["soft_casts"],
+                                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=cfg["num_warps"])
     return out.view(q.shape)
 
 

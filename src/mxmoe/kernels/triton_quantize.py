@@ -131,21 +131,21 @@ def _dequantized(r, e, nonfinite):
 
 
 @triton.jit
-def _to_float32(x):
-    """Exact widening to float32. bfloat16 goes through its bits (the top half of a
-    float32), which keeps bf16 subnormals in the Triton interpreter too, whose own cast
-    flushes them."""
-    if x.dtype == tl.bfloat16:
+def _to_float32(x, SOFT_CASTS: tl.constexpr):
+    """Exact widening to float32. With SOFT_CASTS (the interpreter, whose own cast
+    flushes bf16 subnormals) bfloat16 goes through its bits, the top half of a float32;
+    on the GPU the conversion instruction is exact."""
+    if SOFT_CASTS and x.dtype == tl.bfloat16:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         return x.to(tl.float32)
 
 
 @triton.jit
-def _from_float32(v, dtype: tl.constexpr):
-    """Round float32 ``v`` to ``dtype`` (nearest, ties to even). bfloat16 is rounded on the
-    bits (subnormals included; the interpreter's own cast flushes them); NaN stays NaN."""
-    if dtype == tl.bfloat16:
+def _from_float32(v, dtype: tl.constexpr, SOFT_CASTS: tl.constexpr):
+    """Round float32 ``v`` to ``dtype`` (nearest, ties to even). With SOFT_CASTS bfloat16
+    is rounded on the bits (the interpreter's own cast flushes subnormals); NaN stays NaN."""
+    if SOFT_CASTS and dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(v != v, 0x7FC0, rounded)
@@ -162,6 +162,52 @@ def _blocked_scale_offset(r, c, n_col_tiles):
 
 
 @triton.jit
+def _store_transposed_packed(q_ptr, base, row_words, codes, cols64, col_ok, word0, n_words,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store uint8 codes (BLOCK_R, BLOCK_C) transposed, as int32 words of 4 consecutive
+    codes (little-endian: the first code in the low byte): the transpose then moves 4x
+    fewer, 4x wider elements. Output row c holds ``row_words`` words; this tile's words
+    start at ``word0``."""
+    t = tl.trans(codes.to(tl.int32))  # (BLOCK_C, BLOCK_R)
+    shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum(tl.reshape(t, (BLOCK_C, BLOCK_R // 4, 4)) << shifts, axis=2)  # disjoint bytes: sum = or
+    w_idx = word0 + tl.arange(0, BLOCK_R // 4)
+    ptr = q_ptr.to(tl.pointer_type(tl.int32)) + base + cols64[:, None] * row_words + w_idx[None, :]
+    tl.store(ptr, words, mask=col_ok[:, None] & (w_idx < n_words)[None, :])
+
+
+@triton.jit
+def _mx_rows_kernel(
+    x_ptr, n_blocks, blocks_per_row, q_ptr, s_ptr, d_ptr, rows_per_matrix, R128,
+    ELEM: tl.constexpr, MODE: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr,
+    BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Row-wise quantization of a contiguous tensor seen as (n_blocks, 32): each program
+    reads BLOCK_B whole blocks, one contiguous span of memory; no reshapes."""
+    blks = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    ok = blks < n_blocks
+    offs = blks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = _to_float32(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0), SOFT_CASTS)
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)
+    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND)
+    if WRITE_Q:
+        tl.store(q_ptr + offs, codes, mask=ok[:, None])
+        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+        if BLOCKED:  # one blocked scale matrix per (rows_per_matrix, blocks_per_row) matrix
+            rows = blks // blocks_per_row
+            n_col_tiles = (blocks_per_row + 3) // 4
+            s_off = (rows // rows_per_matrix) * R128 * n_col_tiles * 4 + _blocked_scale_offset(
+                rows % rows_per_matrix, blks % blocks_per_row, n_col_tiles)
+        else:
+            s_off = blks
+        tl.store(s_ptr + s_off[:, None], sbits, mask=ok[:, None])
+    if WRITE_DQ:
+        tl.store(d_ptr + offs, _from_float32(_dequantized(r, e, nf), d_ptr.dtype.element_ty, SOFT_CASTS),
+                 mask=ok[:, None])
+
+
+@triton.jit
 def _mx_tile_kernel(
     x_ptr, stride_xb, stride_xr, stride_xc, R, C,
     # row-wise outputs (blocks along C): codes (B, R, Cp), scales (B, R, Cp / 32), dequantized (B, R, C)
@@ -172,7 +218,7 @@ def _mx_tile_kernel(
     ELEM: tl.constexpr, MODE: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COL_T: tl.constexpr,
     WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SOFT_CASTS: tl.constexpr, PACK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -183,14 +229,19 @@ def _mx_tile_kernel(
     cols64 = cols.to(tl.int64)
     in_mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = _to_float32(tl.load(x_ptr + b * stride_xb + rows64[:, None] * stride_xr + cols64[None, :] * stride_xc,
-                            mask=in_mask, other=0.0))
+                            mask=in_mask, other=0.0), SOFT_CASTS)
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     if ROWWISE:
-        amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
-        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R, BLOCK_C // 32)
-        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-        nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+        if BLOCK_C == 32:  # one block per row: reduce in place, no reshape
+            e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)  # (BLOCK_R, 1)
+            e_x = tl.broadcast_to(e, (BLOCK_R, BLOCK_C))
+            nf_x = tl.broadcast_to(nf, (BLOCK_R, BLOCK_C))
+        else:
+            amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
+            e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R, BLOCK_C // 32)
+            e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+            nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
         r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
         row_ok = rows < R
         if WRITE_Q:
@@ -207,13 +258,18 @@ def _mx_tile_kernel(
             tl.store(sr_ptr + s_off, sbits, mask=s_mask)
         if WRITE_DQ:
             d_off = b * R * C + rows64[:, None] * C + cols64[None, :]
-            tl.store(dr_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dr_ptr.dtype.element_ty), mask=in_mask)
+            tl.store(dr_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dr_ptr.dtype.element_ty, SOFT_CASTS), mask=in_mask)
 
     if COLWISE:
-        amax = tl.max(tl.reshape(abs_bits, (BLOCK_R // 32, 32, BLOCK_C)), axis=1)
-        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
-        e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
-        nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
+        if BLOCK_R == 32:  # one block per column: reduce in place, no reshape
+            e, nf = _scale_exponent(tl.max(abs_bits, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
+            e_x = tl.broadcast_to(e, (BLOCK_R, BLOCK_C))
+            nf_x = tl.broadcast_to(nf, (BLOCK_R, BLOCK_C))
+        else:
+            amax = tl.max(tl.reshape(abs_bits, (BLOCK_R // 32, 32, BLOCK_C)), axis=1)
+            e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
+            e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
+            nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
         r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
         col_ok = cols < C
         out_mask = (rows < Rp)[:, None] & col_ok[None, :]
@@ -222,7 +278,11 @@ def _mx_tile_kernel(
         sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
         if COL_T:
             if WRITE_Q:
-                tl.store(qc_ptr + b * C * Rp + cols64[None, :] * Rp + rows64[:, None], codes, mask=out_mask)
+                if PACK_T:
+                    _store_transposed_packed(qc_ptr, b * C * (Rp // 4), Rp // 4, codes, cols64, cols < C,
+                                             pid_r * (BLOCK_R // 4), Rp // 4, BLOCK_R, BLOCK_C)
+                else:
+                    tl.store(qc_ptr + b * C * Rp + cols64[None, :] * Rp + rows64[:, None], codes, mask=out_mask)
                 if BLOCKED:
                     n_col_tiles = (Rp // 32 + 3) // 4
                     s_off = b * C128 * n_col_tiles * 4 + _blocked_scale_offset(cols64[None, :], srows[:, None], n_col_tiles)
@@ -231,14 +291,14 @@ def _mx_tile_kernel(
                 tl.store(sc_ptr + s_off, sbits, mask=s_mask)
             if WRITE_DQ:
                 d_off = b * C * R + cols64[None, :] * R + rows64[:, None]
-                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty), mask=in_mask)
+                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty, SOFT_CASTS), mask=in_mask)
         else:
             if WRITE_Q:
                 tl.store(qc_ptr + b * Rp * C + rows64[:, None] * C + cols64[None, :], codes, mask=out_mask)
                 tl.store(sc_ptr + b * (Rp // 32) * C + srows[:, None] * C + cols64[None, :], sbits, mask=s_mask)
             if WRITE_DQ:
                 d_off = b * R * C + rows64[:, None] * C + cols64[None, :]
-                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty), mask=in_mask)
+                tl.store(dc_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dc_ptr.dtype.element_ty, SOFT_CASTS), mask=in_mask)
 
 
 @triton.jit
@@ -248,7 +308,7 @@ def _mx_grouped_col_kernel(
     q_ptr, s_ptr, d_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32), dequantized (C, Tp)
     ELEM: tl.constexpr, MODE: tl.constexpr,
     WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+    SOFT_CASTS: tl.constexpr, PACK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     blk = tl.program_id(1)  # 32-token block of the padded layout
@@ -266,7 +326,7 @@ def _mx_grouped_col_kernel(
     tok_ok = toks < tok_end
     in_mask = tok_ok[:, None] & (cols < C)[None, :]
     x = _to_float32(tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_xt + cols64[None, :] * stride_xc,
-                            mask=in_mask, other=0.0))
+                            mask=in_mask, other=0.0), SOFT_CASTS)
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(abs_bits, axis=0)  # (BLOCK_C,)
     e, nf = _scale_exponent(amax, ELEM, MODE)
@@ -276,7 +336,10 @@ def _mx_grouped_col_kernel(
     pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)  # column in the padded layout
     out_mask = (cols < C)[None, :] & (pos < Tp)[:, None]
     if WRITE_Q:
-        tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
+        if PACK_T:
+            _store_transposed_packed(q_ptr, 0, Tp // 4, codes, cols64, cols < C, blk * 8, Tp // 4, 32, BLOCK_C)
+        else:
+            tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
         sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
         if BLOCKED:
             n_col_tiles = (Tp // 32 + 3) // 4
@@ -286,13 +349,13 @@ def _mx_grouped_col_kernel(
         tl.store(s_ptr + s_off, sbits, mask=cols < C)
     if WRITE_DQ:
         tl.store(d_ptr + cols64[None, :] * Tp + pos[:, None],
-                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty), mask=out_mask)
+                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_mask)
 
 
 @triton.jit
 def _mx_dequant_kernel(
     q_ptr, s_ptr, out_ptr, n_rows, n_cols,  # codes (rows, cols), scales (rows, cols / 32)
-    ELEM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
@@ -307,4 +370,4 @@ def _mx_dequant_kernel(
                     mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127).to(tl.int32)
     sb_x = tl.reshape(tl.broadcast_to(sbits[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
     value = _dequantized(elems, sb_x - 127, sb_x == 255)
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)

@@ -1,0 +1,12 @@
+"""Drive each quantization kernel once for Nsight Compute (run under ``ncu``)."""
+
+import torch
+
+from mxmoe.kernels import quantize as kq
+
+x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
+offsets = torch.linspace(0, 16384, 65, device="cuda")[1:].round().to(torch.int32)
+kq.quantize_rowwise(x)
+kq.quantize_rowcol(x)
+kq.quantize_grouped_colwise(x, offsets)
+torch.cuda.synchronize()
