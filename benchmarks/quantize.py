@@ -115,19 +115,17 @@ def sweep() -> dict:
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
-    best["hw_round"] = _pick("rows", [{"block_b": 128, "num_warps": 4, "hw_round": hw} for hw in (False, True)],
-                             lambda: kq.quantize_rowwise(x))["hw_round"]
-    best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w} for b in (64, 128, 256, 512) for w in (2, 4, 8)],
+    best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": True} for b in (64, 128, 256)
+                                  for w in (4, 8)] + [{"block_b": 128, "num_warps": 8, "hw_round": False}],
                          lambda: kq.quantize_rowwise(x))
     best["colwise"] = _pick("colwise", [{"tile": t, "num_warps": w, "pack_t": p}
-                                        for t in ((32, 32), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128))
-                                        for w in (2, 4, 8) for p in (False, True)],
+                                        for t in ((32, 64), (32, 128), (32, 256), (64, 128))
+                                        for w in (2, 4) for p in (False, True)],
                             lambda: kq.quantize_rowcol(x))
-    best["grouped"] = _pick("grouped", [{"block_c": b, "num_warps": w, "pack_t": best["colwise"]["pack_t"]}
-                                        for b in (64, 128, 256) for w in (2, 4, 8)],
+    best["grouped"] = _pick("grouped", [{"block_c": b, "num_warps": w, "pack_t": p}
+                                        for b in (128, 256) for w in (2, 4) for p in (False, True)],
                             lambda: kq.quantize_grouped_colwise(x, offsets))
-    best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": w} for t in ((32, 128), (64, 128), (32, 256))
-                                        for w in (4, 8)],
+    best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],
                             lambda: kq.dequantize_rowwise(*kq.quantize_rowwise(x), torch.bfloat16))
     kq.TUNING["rowwise"] = {"tile": best["colwise"]["tile"], "num_warps": best["colwise"]["num_warps"]}
     print("tuning:", json.dumps(kq.TUNING))

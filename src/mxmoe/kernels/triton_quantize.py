@@ -91,11 +91,7 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
     """
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, a normal float
     y = x * inv_scale
-    if ELEM == 0:
-        y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
-    else:
-        y = tl.minimum(tl.maximum(y, -E5M2_MAX), E5M2_MAX)
-    if HW_ROUND:
+    if HW_ROUND:  # cvt.rn.satfinite: rounds to nearest even and saturates, no clamp needed
         if ELEM == 0:
             f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
@@ -103,6 +99,10 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
         r = f8.to(tl.float32)
         codes = f8.to(tl.uint8, bitcast=True)
     else:
+        if ELEM == 0:
+            y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        else:
+            y = tl.minimum(tl.maximum(y, -E5M2_MAX), E5M2_MAX)
         y_bits = y.to(tl.int32, bitcast=True)
         # rounding constant 1.5 * 2^(k + 23 - mbits), k = binade of y (not below the normal range)
         if ELEM == 0:
@@ -117,8 +117,8 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
             codes = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             codes = r.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    x_sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
-    codes = tl.where(nonfinite, x_sign | 0x7F, codes)
+    # NaN code 0x7F with the input's sign bit: the arithmetic shift puts the sign in bit 7
+    codes = tl.where(nonfinite, ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8), codes)
     return r, codes
 
 
@@ -165,15 +165,15 @@ def _blocked_scale_offset(r, c, n_col_tiles):
 def _store_transposed_packed(q_ptr, base, row_words, codes, cols64, col_ok, word0, n_words,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Store uint8 codes (BLOCK_R, BLOCK_C) transposed, as int32 words of 4 consecutive
-    codes (little-endian: the first code in the low byte): the transpose then moves 4x
-    fewer, 4x wider elements. Output row c holds ``row_words`` words; this tile's words
-    start at ``word0``."""
-    t = tl.trans(codes.to(tl.int32))  # (BLOCK_C, BLOCK_R)
-    shifts = (tl.arange(0, 4) * 8)[None, None, :]
-    words = tl.sum(tl.reshape(t, (BLOCK_C, BLOCK_R // 4, 4)) << shifts, axis=2)  # disjoint bytes: sum = or
+    codes (little-endian: the first code in the low byte), packed before the transpose so
+    that it moves 4x fewer, 4x wider elements. Output row c holds ``row_words`` words;
+    this tile's words start at ``word0``."""
+    shifts = (tl.arange(0, 4) * 8)[None, :, None]
+    words = tl.sum(tl.reshape(codes.to(tl.int32), (BLOCK_R // 4, 4, BLOCK_C)) << shifts, axis=1)  # or of bytes
+    t = tl.trans(words)  # (BLOCK_C, BLOCK_R // 4)
     w_idx = word0 + tl.arange(0, BLOCK_R // 4)
     ptr = q_ptr.to(tl.pointer_type(tl.int32)) + base + cols64[:, None] * row_words + w_idx[None, :]
-    tl.store(ptr, words, mask=col_ok[:, None] & (w_idx < n_words)[None, :])
+    tl.store(ptr, t, mask=col_ok[:, None] & (w_idx < n_words)[None, :])
 
 
 @triton.jit
