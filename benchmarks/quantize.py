@@ -95,18 +95,16 @@ def same(a, b) -> bool:
 def _pick(kind: str, options: list[dict], run) -> dict:
     times = []
     for opt in options:
-        for k, v in opt.items():
-            if k in ("pack_t", "hw_round", "rows_flat"):
-                kq.TUNING[k] = v
-        kq.TUNING[kind] = {k: v for k, v in opt.items() if k not in ("pack_t", "hw_round", "rows_flat")}
+        if "hw_round" in opt:
+            kq.TUNING["hw_round"] = opt["hw_round"]
+        kq.TUNING[kind] = {k: v for k, v in opt.items() if k != "hw_round"}
         t, err = try_time(run)
         times.append(t if t is not None else float("inf"))
         print(f"sweep {kind:8s} {json.dumps(opt)}: {t * 1e6 if t else float('nan'):.1f} us {err}", flush=True)
     best = options[min(range(len(options)), key=times.__getitem__)]
-    for k, v in best.items():
-        if k in ("pack_t", "hw_round", "rows_flat"):
-            kq.TUNING[k] = v
-    kq.TUNING[kind] = {k: v for k, v in best.items() if k not in ("pack_t", "hw_round", "rows_flat")}
+    if "hw_round" in best:
+        kq.TUNING["hw_round"] = best["hw_round"]
+    kq.TUNING[kind] = {k: v for k, v in best.items() if k != "hw_round"}
     return best
 
 
@@ -127,7 +125,7 @@ def sweep() -> dict:
                             lambda: kq.quantize_grouped_colwise(x, offsets))
     best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],
                             lambda: kq.dequantize_rowwise(*kq.quantize_rowwise(x), torch.bfloat16))
-    kq.TUNING["rowwise"] = {"tile": best["colwise"]["tile"], "num_warps": best["colwise"]["num_warps"]}
+    kq.TUNING["rowwise"] = dict(best["colwise"])
     print("tuning:", json.dumps(kq.TUNING))
     return best
 

@@ -105,7 +105,7 @@ def _launch_settings(kind: str) -> dict:
     if interpreting():
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
                 "hw_round": False, "soft_casts": True, **common}
-    return {**TUNING[kind], "hw_round": TUNING["hw_round"], "soft_casts": False, **common}
+    return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
 
 
 def launch_tile(
