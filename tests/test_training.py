@@ -275,3 +275,14 @@ def test_odd_sized_token_file_is_refused(tmp_path):
     (tmp_path / "t.bin").write_bytes(b"\1\0\2\0\3")
     with pytest.raises(ValueError, match="odd number of bytes"):
         load_corpus(tmp_path / "t.bin")
+
+
+def test_quantizer_backend_does_not_change_training(tmp_path, text_file):
+    """The recipe with the Triton quantizers (interpreted on the CPU) trains to the same
+    losses, bit for bit, as with the reference quantizer."""
+    losses = {}
+    for backend in ("reference", "triton"):
+        out = tmp_path / backend
+        train(tiny_config(out, text_file, steps=2, eval_interval=2, quant_backend=backend))
+        losses[backend] = [(m["step"], m["loss"]) for m in read_metrics(out)]
+    assert losses["reference"] == losses["triton"]

@@ -37,6 +37,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", type=_csv_choices(QUANTIZABLE), default=m.quantized,
                    help="comma-separated GEMMs that follow the recipe; the rest stay in high precision "
                         f"(default: {','.join(m.quantized)}; choices: {','.join(QUANTIZABLE)})")
+    g.add_argument("--quant-backend", default=d.quant_backend, choices=["auto", "reference", "triton"],
+                   help="MX quantizer: auto (Triton kernels on CUDA), reference (pure torch) or triton; "
+                        "all give the same bits (default: %(default)s)")
     g.add_argument("--dtype", default=m.dtype, choices=["bfloat16", "float32", "float16"],
                    help="activation dtype (parameters are float32) (default: %(default)s)")
 
@@ -106,11 +109,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, quantized=args.quantize, dtype=args.dtype,
     )
     cfg = TrainConfig(
-        recipe=args.recipe, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
+        recipe=args.recipe, quant_backend=args.quant_backend, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
-        progress=not args.no_progress, model=model,
+        progress=not args.no_progress and sys.stderr.isatty(), model=model,
     )
     cfg.validate()
     return cfg

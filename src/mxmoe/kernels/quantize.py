@@ -44,13 +44,13 @@ BLOCK = tk.BLOCK
 # Launch settings: measured on the H200 (benchmarks/quantize.py sweeps them); the
 # interpreter uses large tiles, fewer programs, to keep the CPU tests quick.
 TUNING = {
-    "rows": {"block_b": 128, "num_warps": 4},  # contiguous row-wise: (n_blocks, 32) view
-    "rowwise": {"tile": (32, 128), "num_warps": 4},
-    "colwise": {"tile": (32, 128), "num_warps": 4},
-    "grouped": {"block_c": 256, "num_warps": 4},
+    "rows": {"block_b": 256, "num_warps": 4},  # contiguous row-wise: (n_blocks, 32) view
+    "rowwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
+    "colwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
+    "grouped": {"block_c": 128, "num_warps": 2, "pack_t": False},
     "dequant": {"tile": (32, 128), "num_warps": 4},
     "hw_round": True,  # round with the float8 cast instruction (RNE, satfinite on sm89+)
-    "pack_t": False,  # transposed stores as int32 words of 4 codes
+    "pack_t": False,  # transposed stores as int32 words of 4 codes (per kernel above)
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.

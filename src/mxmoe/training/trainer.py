@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from ..model import ModelConfig, MoETransformer
-from ..recipe import RECIPES
+from ..numerics.mx_tensor import BACKENDS
+from ..recipe import RECIPES, get_recipe
 from .checkpoint import MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
 from .data import Corpus, eval_batches, load_corpus, random_batch
 
@@ -30,7 +31,7 @@ CONFIG_NAME = "config.json"
 _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
-RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval")
+RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class TrainConfig:
 
     Attributes:
         recipe: precision recipe name ("bf16", "mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad").
+        quant_backend: quantizer backend of the recipe ("auto": Triton kernels on CUDA,
+            "reference": pure torch, "triton"); every backend gives the same bits.
         batch_size: sequences per step. seq_len: tokens per sequence.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warmup, then
             cosine decay to lr * min_lr_ratio at the last step.
@@ -56,6 +59,7 @@ class TrainConfig:
     """
 
     recipe: str = "mxfp8"
+    quant_backend: str = "auto"
     batch_size: int = 16
     seq_len: int = 256
     steps: int = 200
@@ -80,6 +84,8 @@ class TrainConfig:
         """Raise ValueError naming the first bad setting and what would work."""
         if self.recipe not in RECIPES:
             _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
+        if self.quant_backend not in BACKENDS:
+            _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
         for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -239,7 +245,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
                              f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
 
     torch.manual_seed(cfg.seed)
-    model = MoETransformer(cfg.model, cfg.recipe).to(device)
+    model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend)).to(device)
     opt = make_optimizer(model, cfg)
     start_step = 0
     if checkpoint is not None:
