@@ -41,10 +41,16 @@ def _same_values(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     )
 
 
-def test_cases_file_is_the_shared_one():
-    if not SHARED_CASES_PATH.exists():
-        pytest.skip("../shared/cases is not beside this checkout")
-    assert CASES_PATH.read_bytes() == SHARED_CASES_PATH.read_bytes()
+@pytest.mark.parametrize("copy,shared", [
+    (CASES_PATH, SHARED_CASES_PATH),
+    (Path(__file__).resolve().parents[1] / "docs" / "NUMERICS.md", SHARED_CASES_PATH.parents[1] / "docs" / "NUMERICS.md"),
+])
+def test_in_repo_copies_match_the_shared_contract(copy, shared):
+    """tests/data/mx_blocks.json and docs/NUMERICS.md are copies of the project's shared
+    contract (../shared beside a developer checkout; CI checks out the repository alone)."""
+    if not shared.exists():
+        pytest.skip(f"{shared} is not beside this checkout")
+    assert copy.read_bytes() == shared.read_bytes()
 
 
 def _bf16_exact(case) -> bool:
