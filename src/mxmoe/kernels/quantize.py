@@ -112,8 +112,10 @@ def launch_tile(
     x3: Tensor, fmt: str, mode: str, *, rowwise: bool, colwise: bool, col_transpose: bool = True,
     write_q: bool = True, dq_dtype: torch.dtype | None = None, blocked: bool = False, pad: bool = False,
 ) -> dict[str, Tensor]:
-    """Run ``_mx_tile_kernel`` on x3 (B, R, C); returns the outputs asked for by name:
-    ``q_row``, ``s_row``, ``dq_row``, ``q_col``, ``s_col``, ``dq_col``."""
+    """Quantize x3 (B, R, C, any strides) row-wise (blocks along C) and/or column-wise
+    (blocks along R) from one read: ``_mx_rows_kernel`` for contiguous row-wise-only jobs,
+    ``_mx_tile_kernel`` otherwise. Returns the outputs asked for by name: ``q_row``,
+    ``s_row``, ``dq_row``, ``q_col``, ``s_col``, ``dq_col`` (shapes in the kernel's docs)."""
     _check_tensor(x3)
     elem, q_dtype, mode_code = _codes(fmt, mode)
     B, R, C = x3.shape

@@ -27,8 +27,8 @@ TRITON_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
 TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def use_triton(x: Tensor, fmt: ElemFormat, block_size: int, backend: str) -> bool:
-    """Resolve ``backend`` for quantizing ``x``: "reference" (pure torch, any device),
+def use_triton(device: torch.device, dtype: torch.dtype, fmt: ElemFormat, block_size: int, backend: str) -> bool:
+    """Resolve ``backend`` for data of ``dtype`` on ``device``: "reference" (pure torch, any device),
     "triton" (the kernels of :mod:`mxmoe.kernels`: FP8 formats, block 32, float32/bfloat16
     input, CUDA tensors or TRITON_INTERPRET=1), "auto" (Triton for CUDA tensors where it
     applies, else the reference).
@@ -38,14 +38,14 @@ def use_triton(x: Tensor, fmt: ElemFormat, block_size: int, backend: str) -> boo
     """
     if backend == "reference":
         return False
-    covered = fmt in TRITON_FORMATS and block_size == MX_BLOCK_SIZE and x.dtype in TRITON_DTYPES
+    covered = fmt in TRITON_FORMATS and block_size == MX_BLOCK_SIZE and dtype in TRITON_DTYPES
     if backend == "auto":
-        return x.is_cuda and covered and importlib.util.find_spec("triton") is not None
+        return device.type == "cuda" and covered and importlib.util.find_spec("triton") is not None
     if backend == "triton":
         if not covered:
             raise ValueError(
                 f"backend='triton' covers e4m3/e5m2 elements, block_size 32 and float32/bfloat16 input; "
-                f"got fmt={fmt.value!r}, block_size={block_size}, dtype {x.dtype}: use backend='reference'"
+                f"got fmt={fmt.value!r}, block_size={block_size}, dtype {dtype}: use backend='reference'"
             )
         return True
     raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
@@ -191,7 +191,7 @@ def quantize_mx(
             f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
             f"zero-pad it to {padded} or pass pad=True"
         )
-    if use_triton(x, fmt, block_size, backend):
+    if use_triton(x.device, x.dtype, fmt, block_size, backend):
         from ..kernels.quantize import launch_tile
 
         P, S = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
@@ -257,7 +257,7 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str
         raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
     if dtype not in SUPPORTED_OUTPUT_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-    if dtype in TRITON_DTYPES and use_triton(mx.qdata.new_empty(0, dtype=dtype), mx.fmt, mx.block_size, backend):
+    if use_triton(mx.qdata.device, dtype, mx.fmt, mx.block_size, backend):
         from ..kernels.quantize import dequantize_rowwise
 
         values = dequantize_rowwise(mx.qdata.movedim(mx.dim, -1), mx.scale.movedim(mx.dim, -1), dtype)

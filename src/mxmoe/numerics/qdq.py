@@ -78,7 +78,7 @@ def fake_quantize_mx(
     scale_mode = ScaleMode.parse(scale_mode)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     dim = check_quantize_args(x, block_size, dim)
-    if use_triton(x, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
+    if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
         if x.shape[dim] % block_size and not pad:
             raise ValueError(f"size {x.shape[dim]} along dim {dim} is not a multiple of block_size {block_size}; "
                              f"pass pad=True")

@@ -58,7 +58,8 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
         ``(xq_CTp, padded_offsets_E)``: (C, Tp) dequantized values and (E,) int32
         cumulative ends in the padded token layout.
     """
-    if out_dtype in TRITON_DTYPES and use_triton(x_TC, recipe.fmt, recipe.block_size, recipe.backend):
+    if out_dtype in TRITON_DTYPES and use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size,
+                                                 recipe.backend):
         from ..kernels.quantize import fake_quantize_grouped_colwise
 
         return fake_quantize_grouped_colwise(x_TC, offsets_E.to(torch.int32), recipe.fmt.value,
