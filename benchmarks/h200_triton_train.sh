@@ -9,6 +9,7 @@ for b in reference triton; do
     python3 -m mxmoe train --recipe mxfp8 --quant-backend "$b" --out-dir "/tmp/run_$b" --no-progress "$@" \
         > "$OUT/train_mxfp8_$b.log" 2>&1
     tail -n 1 "$OUT/train_mxfp8_$b.log"
+    cp "/tmp/run_$b/metrics.jsonl" "$OUT/metrics_mxfp8_$b.jsonl"
 done
 python3 - "$OUT" <<'PY'
 import json, sys

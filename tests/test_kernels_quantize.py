@@ -295,3 +295,61 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t):
         got = fake_quantize_mx(x, dim=dim, out_dtype=torch.bfloat16, backend="triton").cpu()
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_grouped_offsets_any_layout_and_past_the_end():
+    """Offsets may be a strided view or int64; offsets[-1] > T (outside the contract)
+    never makes a kernel read past x: missing rows count as zeros, as in the reference."""
+    x = hard(96, 64, seed=11)
+    strided = torch.tensor([[0, 10], [10, 40], [40, 96]], dtype=torch.int32, device=DEV)[:, 1]
+    for offs in (strided, strided.to(torch.int64)):
+        q, s, p = kq.quantize_grouped_colwise(x, offs)
+        rq, rs, rp = torch_quantize_grouped_dim0(x.cpu(), offs.cpu())
+        assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs)) and torch.equal(p.cpu(), rp)
+        dq, _ = kq.fake_quantize_grouped_colwise(x, offs, "e4m3", "rceil", torch.float32)
+        want = kq.dequantize_rowwise(q, s, torch.float32)
+        assert torch.equal(dq.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0))
+    big = hard(128, 64, seed=12)
+    big[64:] = float("nan")
+    view = big[:64]  # the storage goes on past the view's last row
+    offs = torch.tensor([20, 100], dtype=torch.int32, device=DEV)
+    q, s, _ = kq.quantize_grouped_colwise(view, offs)
+    rq, rs, _ = torch_quantize_grouped_dim0(view.cpu().clone(), offs.cpu())
+    assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs))
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (0, 2, 64), (0,), (0, 3, 2, 32)])
+def test_empty_inputs(shape):
+    x = torch.zeros(shape, device=DEV)
+    q, s = kq.quantize_rowwise(x)
+    assert q.shape == shape[:-1] + (shape[-1],) and s.shape == shape[:-1] + (shape[-1] // 32,)
+    mx = quantize_mx(x, backend="triton")
+    assert mx.qdata.shape == shape and mx.dequantize(backend="triton").shape == shape
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_every_code_and_scale(fmt):
+    """All 256 codes, NaN / inf codes included, under scale bytes from 0 to 255."""
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6, 1).view(dt)  # (6, 256)
+    scale = torch.tensor([0, 1, 120, 127, 254, 255], dtype=torch.uint8).view(-1, 1).repeat(1, 8)
+    scale = scale.view(torch.float8_e8m0fnu)
+    mx = quantize_mx(torch.zeros(6, 256), fmt, backend="reference")
+    mx.qdata, mx.scale = codes, scale
+    want = mx.dequantize(torch.float32, backend="reference")
+    got = kq.dequantize_rowwise(codes.to(DEV), scale.to(DEV), torch.float32).cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_kernel_op_argument_errors():
+    x = hard(64, 40, seed=1)
+    with pytest.raises(ValueError, match=r"is 40, not a multiple of the block size 32; zero-pad it to 64$"):
+        kq.quantize_rowcol(x)
+    with pytest.raises(ValueError, match="dim=5 is out of range"):
+        kq.fake_quantize(hard(64, 64, seed=1), 5)
+    q, s = kq.quantize_rowwise(hard(4, 64, seed=1))
+    with pytest.raises(TypeError, match="scales must be float8_e8m0fnu"):
+        kq.dequantize_rowwise(q, s.view(torch.uint8).float())
+    with pytest.raises(ValueError, match="1-D int32 \\(or int64\\)"):
+        kq.quantize_grouped_colwise(x[:, :32], torch.tensor([1.0, 64.0], device=DEV))

@@ -33,9 +33,10 @@ class Recipe:
         scale_mode: ``rceil`` (default, NVIDIA recipe) or ``floor`` (OCP).
         wgrad_high_precision: run the weight-gradient GEMM on unquantized operands.
         block_size: elements per scale block (32, the OCP value).
-        backend: quantizer backend, "auto" (Triton kernels for CUDA tensors, the
-            pure-torch reference otherwise), "reference" or "triton". Every backend gives
-            the same bytes, so the choice changes speed only.
+        backend: quantizer backend, "auto" (Triton kernels for CUDA tensors in float32 or
+            bfloat16, the pure-torch reference otherwise), "reference" or "triton" (which
+            refuses what it does not cover, float16 activations for one). Every backend
+            gives the same bytes, so the choice changes speed only.
     """
 
     name: str

@@ -83,10 +83,12 @@ def _check_tensor(x: Tensor, name: str = "x") -> None:
                          f"(or TRITON_INTERPRET=1 for the CPU interpreter); use backend='reference'")
 
 
-def _check_blocked_dim(size: int, what: str, pad: bool) -> int:
+def _check_blocked_dim(size: int, what: str, pad: bool | None) -> int:
+    """pad None: the caller has no pad option (the error then offers only zero padding)."""
     if size % BLOCK and not pad:
+        hint = " or pass pad=True" if pad is not None else ""
         raise ValueError(f"{what} is {size}, not a multiple of the block size {BLOCK}; "
-                         f"zero-pad it to {_ceil_to(size, BLOCK)} or pass pad=True")
+                         f"zero-pad it to {_ceil_to(size, BLOCK)}{hint}")
     return _ceil_to(size, BLOCK)
 
 
@@ -110,7 +112,7 @@ def _launch_settings(kind: str) -> dict:
 
 def launch_tile(
     x3: Tensor, fmt: str, mode: str, *, rowwise: bool, colwise: bool, col_transpose: bool = True,
-    write_q: bool = True, dq_dtype: torch.dtype | None = None, blocked: bool = False, pad: bool = False,
+    write_q: bool = True, dq_dtype: torch.dtype | None = None, blocked: bool = False, pad: bool | None = False,
 ) -> dict[str, Tensor]:
     """Quantize x3 (B, R, C, any strides) row-wise (blocks along C) and/or column-wise
     (blocks along R) from one read: ``_mx_rows_kernel`` for contiguous row-wise-only jobs,
@@ -194,7 +196,7 @@ def _rows_view(x: Tensor, blocked: bool) -> Tensor:
         return _as_3d(x)
     if blocked:
         raise ValueError(f"blocked scales need a 2-D or 3-D input, got shape {tuple(x.shape)}")
-    return x.reshape(1, -1, x.shape[-1])
+    return x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])
 
 
 @torch.library.custom_op("mxmoe::quantize_rowwise", mutates_args=())
@@ -202,10 +204,13 @@ def quantize_rowwise(x: Tensor, fmt: str = "e4m3", mode: str = "rceil", blocked:
                      pad: bool = False) -> tuple[Tensor, Tensor]:
     """Blocks along the last dim. x (..., K) -> codes (..., Kp) FP8, scales (..., Kp / 32)
     E8M0; blocked: x (M, K) -> scales (M128 * C4,), x (E, M, K) -> (E, M128 * C4)."""
+    if x.dim() == 0:
+        raise ValueError("x is a 0-d tensor; quantize_rowwise blocks its last dim")
     out = launch_tile(_rows_view(x, blocked), fmt, mode, rowwise=True, colwise=False, blocked=blocked, pad=pad)
-    q = out["q_row"].reshape(*x.shape[:-1], -1)
+    Kp = _ceil_to(x.shape[-1], BLOCK)
+    q = out["q_row"].reshape(*x.shape[:-1], Kp)
     s = out["s_row"]
-    s = _squeeze_to(s, x.dim() == 2) if blocked else s.reshape(*x.shape[:-1], -1)
+    s = _squeeze_to(s, x.dim() == 2) if blocked else s.reshape(*x.shape[:-1], Kp // BLOCK)
     return q, s
 
 
@@ -247,7 +252,7 @@ def quantize_rowcol(x: Tensor, fmt: str = "e4m3", mode: str = "rceil",
     """Both copies from one read: x (M, K) / (E, N, K) -> row-wise codes and scales
     (blocks along K) and transposed column-wise codes (..., K, M) and scales (..., K, M / 32)."""
     was_2d = x.dim() == 2
-    out = launch_tile(_as_3d(x), fmt, mode, rowwise=True, colwise=True, blocked=blocked)
+    out = launch_tile(_as_3d(x), fmt, mode, rowwise=True, colwise=True, blocked=blocked, pad=None)
     return tuple(_squeeze_to(out[k], was_2d) for k in ("q_row", "s_row", "q_col", "s_col"))
 
 
@@ -273,8 +278,9 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     if x.dim() != 2:
         raise ValueError(f"x must be (T, C), got shape {tuple(x.shape)}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != x.device:
-        raise ValueError(f"offsets must be a 1-D int32 tensor on {x.device}, got {offsets.dtype} "
+        raise ValueError(f"offsets must be a 1-D int32 (or int64) tensor on {x.device}, got {offsets.dtype} "
                          f"{tuple(offsets.shape)} on {offsets.device}")
+    offsets = offsets.to(torch.int32).contiguous()  # the kernel indexes it densely
     elem, q_dtype, mode_code = _codes(fmt, mode)
     T, C = x.shape
     E = offsets.numel()
@@ -296,7 +302,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         block_c = cfg["block_c"]
         grid = (triton.cdiv(C, block_c), Tp // BLOCK)
         tk._mx_grouped_col_kernel[grid](
-            x, x.stride(0), x.stride(1), C, offsets.to(torch.int32), block_starts, E,
+            x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
             q, s, dq, Tp, _ceil_to(C, 128),
             ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], PACK_T=cfg["pack_t"],
@@ -338,6 +344,8 @@ def dequantize_rowwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.
         raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scales must be float8_e8m0fnu (or their uint8 bytes), got {scale.dtype}")
     K = q.shape[-1]
     if K % BLOCK or scale.shape != (*q.shape[:-1], K // BLOCK):
         raise ValueError(f"scales must have shape {(*q.shape[:-1], K // BLOCK)} for codes {tuple(q.shape)} "
@@ -370,6 +378,8 @@ def fake_quantize(x: Tensor, dim: int, fmt: str = "e4m3", mode: str = "rceil",
     blocked size that is not a multiple of 32 is zero padded (exact for a GEMM along it)."""
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-d tensor")
     dim = dim % x.dim()
     shape = x.shape
     P, L, S = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])

@@ -19,6 +19,8 @@ How the bits are made (identical on the GPU and under ``TRITON_INTERPRET=1``):
   (largest pattern) or an infinity always wins: no NaN-ignoring float max.
 - the scale exponent is read off the float32 exponent field (floor) or computed from
   d = amax * float32(1 / max_normal) as ceil(log2(d)) from d's bits (rceil).
+- NaN outputs (dequantized values of NaN blocks) are the canonical NaN: the contract
+  asks for NaN, not for a payload.
 - elements are scaled by an exact power of two, saturated, then rounded to the element
   grid in float32 (add and subtract 1.5 * 2^(k + 23 - mbits), which rounds to nearest
   even at the grid spacing of y's binade k), so the float8 cast that follows is exact:
@@ -303,7 +305,7 @@ def _mx_tile_kernel(
 
 @triton.jit
 def _mx_grouped_col_kernel(
-    x_ptr, stride_xt, stride_xc, C,
+    x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
     q_ptr, s_ptr, d_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32), dequantized (C, Tp)
     ELEM: tl.constexpr, MODE: tl.constexpr,
@@ -318,7 +320,8 @@ def _mx_grouped_col_kernel(
     g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
     g_safe = tl.minimum(g, E - 1)
     block_start = tl.load(block_starts_ptr + g_safe)
-    tok_end = tl.where(g < E, tl.load(ends_ptr + g_safe), 0)  # past the last expert: read nothing
+    # past the last expert: read nothing; never past row T, whatever the offsets say
+    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
     tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
     toks = tok_start + (blk - block_start) * 32 + tl.arange(0, 32)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -363,8 +366,14 @@ def _mx_dequant_kernel(
     codes = tl.load(q_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0)
     if ELEM == 0:
         elems = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if SOFT_CASTS:  # the interpreter decodes S.1111.111 as a number
+            elems = tl.where((codes & 0x7F) == 0x7F, float("nan"), elems)
     else:
         elems = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        if SOFT_CASTS:  # and S.11111.xx as numbers: inf for xx = 0, NaN otherwise
+            special = (codes & 0x7C) == 0x7C
+            inf = tl.where((codes & 0x80) != 0, float("-inf"), float("inf"))
+            elems = tl.where(special, tl.where((codes & 0x03) == 0, inf, float("nan")), elems)
     scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     sbits = tl.load(s_ptr + rows[:, None] * (n_cols // 32) + scols[None, :],
                     mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127).to(tl.int32)

@@ -44,7 +44,7 @@ def use_triton(device: torch.device, dtype: torch.dtype, fmt: ElemFormat, block_
     if backend == "triton":
         if not covered:
             raise ValueError(
-                f"backend='triton' covers e4m3/e5m2 elements, block_size 32 and float32/bfloat16 input; "
+                f"backend='triton' covers e4m3/e5m2 elements, block_size 32 and float32/bfloat16 data; "
                 f"got fmt={fmt.value!r}, block_size={block_size}, dtype {dtype}: use backend='reference'"
             )
         return True

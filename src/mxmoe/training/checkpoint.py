@@ -29,6 +29,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, write) -> None:
     """Create ``path`` atomically: ``write(fileobj)`` fills a temp file beside it, which is
     fsynced and renamed over ``path``. The temp file is removed if ``write`` fails."""
@@ -36,6 +42,7 @@ def atomic_write_bytes(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -9,6 +9,7 @@ the same machine, computes the same losses as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import resource
 import sys
@@ -181,7 +182,9 @@ def evaluate(model: MoETransformer, batches, device: torch.device) -> float:
 
 @dataclass
 class TrainResult:
-    """Summary of a finished run (also the last lines of metrics.jsonl)."""
+    """Summary of a finished run: first and last losses of the whole run (resumed parts
+    included, read back from metrics.jsonl); wall time, speed and memory of this call
+    (``steps``: optimizer steps it ran)."""
 
     first_loss: float
     last_loss: float
@@ -261,17 +264,19 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
         "train": cfg.to_dict(), "params": params, "corpus": corpus.describe(), "device": str(device),
         "torch": torch.__version__, "flops_per_token": model.flops_per_token(cfg.seq_len),
     })
+    if cfg.warmup_steps >= cfg.steps:
+        _log(f"note: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning rate never decays "
+             f"(the run ends in warmup)", cfg.progress)
     _log(f"mxmoe train | recipe {cfg.recipe} | {params['total'] / 1e6:.2f}M params "
          f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | device {device}", cfg.progress)
 
     metrics = MetricsWriter(out / METRICS_NAME)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    history: dict[str, list[float]] = {"loss": [], "val_loss": [], "step_s": []}
+    step_times: list[float] = []
 
     def run_eval(step: int) -> None:
         val = evaluate(model, val_sets, device)
         tr = evaluate(model, train_eval_sets, device)
-        history["val_loss"].append(val)
         metrics.write({"kind": "eval", "step": step, "loss": tr, "val_loss": val})
         _log(f"eval step {step:5d} | train loss {tr:.4f} | val loss {val:.4f}", cfg.progress)
 
@@ -313,8 +318,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             metrics.write(record)
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
         metrics.write(record)
-        history["loss"].append(loss)
-        history["step_s"].append(dt)
+        step_times.append(dt)
         _log(f"step {step:5d} | loss {loss:.4f} | aux {record['aux_loss']:.3f} | grad norm {record['grad_norm']:.3f} "
              f"| lr {lr:.2e} | {record['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB",
              cfg.progress)
@@ -325,15 +329,19 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     bar.close()
     metrics.close()
     wall = time.perf_counter() - wall_start
-    steps_run = len(history["step_s"])
+    # first and last losses of the whole run, resumed parts included, from its metrics file
+    lines = [json.loads(line) for line in (out / METRICS_NAME).read_text().splitlines()]
+    train_losses = [m["loss"] for m in lines if m["kind"] == "train"]
+    val_losses = [m["val_loss"] for m in lines if m["kind"] == "eval"]
+    steps_run = len(step_times)
     # steady-state speed: skip the first steps (allocator and kernel warm-up)
-    timed = history["step_s"][min(5, steps_run // 2):] or history["step_s"] or [float("nan")]
+    timed = step_times[min(5, steps_run // 2):] or step_times or [float("nan")]
     step_s = sum(timed) / len(timed)
     return TrainResult(
-        first_loss=history["loss"][0] if history["loss"] else float("nan"),
-        last_loss=history["loss"][-1] if history["loss"] else float("nan"),
-        first_val_loss=history["val_loss"][0] if history["val_loss"] else float("nan"),
-        last_val_loss=history["val_loss"][-1] if history["val_loss"] else float("nan"),
+        first_loss=train_losses[0] if train_losses else float("nan"),
+        last_loss=train_losses[-1] if train_losses else float("nan"),
+        first_val_loss=val_losses[0] if val_losses else float("nan"),
+        last_val_loss=val_losses[-1] if val_losses else float("nan"),
         wall_s=wall, tokens_per_s=tokens_per_step / step_s, ms_per_step=step_s * 1e3,
         peak_mem_gib=peak_memory_gib(device), steps=steps_run, out_dir=str(out),
     )
