@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from ..model import QUANTIZABLE, ModelConfig
+from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES
 from ..training import TrainConfig, load_corpus, train
 
@@ -37,7 +38,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", type=_csv_choices(QUANTIZABLE), default=m.quantized,
                    help="comma-separated GEMMs that follow the recipe; the rest stay in high precision "
                         f"(default: {','.join(m.quantized)}; choices: {','.join(QUANTIZABLE)})")
-    g.add_argument("--quant-backend", default=d.quant_backend, choices=["auto", "reference", "triton"],
+    g.add_argument("--quant-backend", default=d.quant_backend, choices=list(BACKENDS),
                    help="MX quantizer: auto (Triton kernels on CUDA), reference (pure torch) or triton; "
                         "all give the same bits (default: %(default)s)")
     g.add_argument("--dtype", default=m.dtype, choices=["bfloat16", "float32", "float16"],
@@ -103,13 +104,15 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         ValueError: a bad combination (for example top-k > experts).
     """
     model = ModelConfig(
-        vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width, n_layers=args.layers, n_heads=args.heads,
+        vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,
+        n_layers=args.layers, n_heads=args.heads,
         n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,
         d_ff_dense=args.dense_width, shared_expert=args.shared_expert, max_seq_len=args.seq_len,
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, quantized=args.quantize, dtype=args.dtype,
     )
     cfg = TrainConfig(
-        recipe=args.recipe, quant_backend=args.quant_backend, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
+        recipe=args.recipe, quant_backend=args.quant_backend, batch_size=args.batch_size, seq_len=args.seq_len,
+        steps=args.steps, lr=args.lr,
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,

@@ -183,6 +183,35 @@ def launch_tile(
     return out
 
 
+def launch_along_dim(x: Tensor, dim: int, fmt: str, mode: str, *, write_q: bool = True,
+                     dq_dtype: torch.dtype | None = None, pad: bool = False) -> dict[str, Tensor]:
+    """Quantize any-rank ``x`` with blocks along ``dim`` (non-negative), outputs in x's
+    layout: x is seen as (P, L, S) with L = x.shape[dim]; S == 1 goes row-wise, else
+    column-wise without transposing. Returns ``q`` (padded shape) and ``s`` (scale shape:
+    padded shape with ``dim`` divided by 32) if ``write_q``, and ``dq`` (x's shape) if
+    ``dq_dtype``."""
+    shape = x.shape
+    P, L, S = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    if S == 1:
+        out = launch_tile(x.reshape(1, P, L), fmt, mode, rowwise=True, colwise=False, write_q=write_q,
+                          dq_dtype=dq_dtype, pad=pad)
+        q, s, dq = out.get("q_row"), out.get("s_row"), out.get("dq_row")
+    else:
+        out = launch_tile(x.reshape(P, L, S), fmt, mode, rowwise=False, colwise=True, col_transpose=False,
+                          write_q=write_q, dq_dtype=dq_dtype, pad=pad)
+        q, s, dq = out.get("q_col"), out.get("s_col"), out.get("dq_col")
+    padded = list(shape)
+    padded[dim] = _ceil_to(L, BLOCK)
+    scale_shape = list(padded)
+    scale_shape[dim] //= BLOCK
+    result = {}
+    if write_q:
+        result["q"], result["s"] = q.view(padded), s.view(scale_shape)
+    if dq_dtype is not None:
+        result["dq"] = dq.view(shape)
+    return result
+
+
 def _squeeze_to(t: Tensor, was_2d: bool) -> Tensor:
     return t.squeeze(0) if was_2d else t
 
@@ -380,16 +409,7 @@ def fake_quantize(x: Tensor, dim: int, fmt: str = "e4m3", mode: str = "rceil",
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim} is out of range for a {x.dim()}-d tensor")
-    dim = dim % x.dim()
-    shape = x.shape
-    P, L, S = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
-    if S == 1:
-        out = launch_tile(x.reshape(1, P, L), fmt, mode, rowwise=True, colwise=False, write_q=False,
-                          dq_dtype=out_dtype, pad=True)["dq_row"]
-    else:
-        out = launch_tile(x.reshape(P, L, S), fmt, mode, rowwise=False, colwise=True, col_transpose=False,
-                          write_q=False, dq_dtype=out_dtype, pad=True)["dq_col"]
-    return out.view(shape)
+    return launch_along_dim(x, dim % x.dim(), fmt, mode, write_q=False, dq_dtype=out_dtype, pad=True)["dq"]
 
 
 @fake_quantize.register_fake

@@ -135,6 +135,17 @@ def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
     return dim % x.dim()
 
 
+def check_block_multiple(size: int, dim: int, block_size: int, pad: bool) -> None:
+    """Raise ValueError unless ``size`` (along ``dim``) is a multiple of ``block_size`` or
+    ``pad`` allows zero padding."""
+    remainder = size % block_size
+    if remainder and not pad:
+        raise ValueError(
+            f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
+            f"zero-pad it to {size + block_size - remainder} or pass pad=True"
+        )
+
+
 def quantize_mx(
     x: Tensor,
     fmt: ElemFormat | str = ElemFormat.E4M3,
@@ -185,28 +196,12 @@ def quantize_mx(
         raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
     size = x.shape[dim]
     remainder = size % block_size
-    if remainder and not pad:
-        padded = size + block_size - remainder
-        raise ValueError(
-            f"size {size} along dim {dim} is not a multiple of block_size {block_size}; "
-            f"zero-pad it to {padded} or pass pad=True"
-        )
+    check_block_multiple(size, dim, block_size, pad)
     if use_triton(x.device, x.dtype, fmt, block_size, backend):
-        from ..kernels.quantize import launch_tile
+        from ..kernels.quantize import launch_along_dim
 
-        P, S = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
-        padded_shape = list(x.shape)
-        padded_shape[dim] += (block_size - remainder) % block_size
-        scale_shape = list(padded_shape)
-        scale_shape[dim] //= block_size
-        if S == 1:
-            out = launch_tile(x.reshape(1, P, size), fmt.value, scale_mode.value, rowwise=True, colwise=False, pad=pad)
-            q, s = out["q_row"], out["s_row"]
-        else:
-            out = launch_tile(x.reshape(P, size, S), fmt.value, scale_mode.value, rowwise=False, colwise=True,
-                              col_transpose=False, pad=pad)
-            q, s = out["q_col"], out["s_col"]
-        return MXTensor(q.view(padded_shape), s.view(scale_shape), fmt, block_size, dim, scale_mode, size)
+        out = launch_along_dim(x, dim, fmt.value, scale_mode.value, pad=pad)
+        return MXTensor(out["q"], out["s"], fmt, block_size, dim, scale_mode, size)
     if remainder:
         x = zero_pad_to_block(x, dim, block_size)
     blocks = blocked_view(x.contiguous(), dim, block_size)

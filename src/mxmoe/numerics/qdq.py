@@ -22,7 +22,15 @@ import torch
 from torch import Tensor
 
 from .formats import E8M0_EXPONENT_BIAS, MX_BLOCK_SIZE, ElemFormat, ScaleMode
-from .mx_tensor import TRITON_DTYPES, blocked_view, check_quantize_args, quantize_mx, use_triton, zero_pad_to_block
+from .mx_tensor import (
+    TRITON_DTYPES,
+    blocked_view,
+    check_block_multiple,
+    check_quantize_args,
+    quantize_mx,
+    use_triton,
+    zero_pad_to_block,
+)
 from .reference import block_amax, e8m0_to_float32, exp2i, torch_mx_scale_bits
 
 # Where the FP8 bits go inside a wider float: shift left by (target mantissa bits - element
@@ -79,9 +87,7 @@ def fake_quantize_mx(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     dim = check_quantize_args(x, block_size, dim)
     if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
-        if x.shape[dim] % block_size and not pad:
-            raise ValueError(f"size {x.shape[dim]} along dim {dim} is not a multiple of block_size {block_size}; "
-                             f"pass pad=True")
+        check_block_multiple(x.shape[dim], dim, block_size, pad)
         from ..kernels.quantize import fake_quantize
 
         return fake_quantize(x, dim, fmt.value, scale_mode.value, out_dtype)
