@@ -116,16 +116,18 @@ def sweep() -> dict:
     best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": True} for b in (64, 128, 256)
                                   for w in (4, 8)] + [{"block_b": 128, "num_warps": 8, "hw_round": False}],
                          lambda: kq.quantize_rowwise(x))
-    best["colwise"] = _pick("colwise", [{"tile": t, "num_warps": w, "pack_t": p}
-                                        for t in ((32, 64), (32, 128), (32, 256), (64, 128))
-                                        for w in (2, 4) for p in (False, True)],
-                            lambda: kq.quantize_rowcol(x))
-    best["grouped"] = _pick("grouped", [{"block_c": b, "num_warps": w, "pack_t": p}
-                                        for b in (128, 256) for w in (2, 4) for p in (False, True)],
-                            lambda: kq.quantize_grouped_colwise(x, offsets))
+    # transposing kernels: the pack-before-transpose kernels (enabled) against the byte
+    # kernels they replace (enabled False: the "colwise" / "grouped" settings)
+    best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
+                              for t in ((32, 64), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64), (128, 128))
+                              for w in (2, 4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
+                       lambda: kq.quantize_rowcol(x))
+    best["grouped_t4"] = _pick("grouped_t4", [{"block_c": b, "num_warps": w, "enabled": True}
+                                              for b in (64, 128, 256, 512) for w in (2, 4, 8)]
+                               + [{"block_c": 128, "num_warps": 4, "enabled": False}],
+                               lambda: kq.quantize_grouped_colwise(x, offsets))
     best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],
                             lambda: kq.dequantize_rowwise(*kq.quantize_rowwise(x), torch.bfloat16))
-    kq.TUNING["rowwise"] = dict(best["colwise"])
     print("tuning:", json.dumps(kq.TUNING))
     return best
 
@@ -206,6 +208,12 @@ def main() -> int:
         t = bench(lambda: kq.quantize_grouped_colwise(x, offsets))
         record((M, K), "grouped colwise", t, 2 * n + K * Tp + K * Tp // 32, copy_bw, tao_col or tao_tomx_t,
                "vs ungrouped dim1 (torchao has no grouped kernel on sm90)", same(qg, rq) and same(sg, rs))
+        dqg, _ = kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", torch.bfloat16)
+        want = kq.dequantize_rowwise(rq, rs, torch.bfloat16)
+        t = bench(lambda: kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", torch.bfloat16))
+        record((M, K), "grouped fake_quant", t, 2 * n + 2 * K * Tp, copy_bw, None,
+               "read bf16, write dequantized bf16 transposed (the wgrad operand)", torch.equal(dqg, want))
+        del dqg, want
         del x, q, s, qt, st, out, dq, qg, sg, rq, rs, ref, refc
         torch.cuda.empty_cache()
 

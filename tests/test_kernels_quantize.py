@@ -269,15 +269,19 @@ def test_recipe_on_the_kernels_is_bit_identical(recipe_name):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("tile", [(32, 32), (32, 64), (64, 32), (64, 256)])
+@pytest.mark.parametrize("tile", [(32, 32), (32, 64), (64, 32), (64, 256), (128, 64)])
 @pytest.mark.parametrize("pack_t", [False, True])
-def test_every_kernel_variant(monkeypatch, tile, pack_t):
+@pytest.mark.parametrize("t4", [False, True])
+def test_every_kernel_variant(monkeypatch, tile, pack_t, t4):
     """Tile shapes one block wide or high take reshape-free reductions; pack_t stores
     transposed codes as int32 words; rows_flat=False sends row-wise through the tile
-    kernel. Every variant gives the same bytes."""
+    kernel; t4 sends transposed copies through the kernels that read four row-interleaved
+    quarters and pack before transposing. Every variant gives the same bytes."""
     monkeypatch.setattr(kq, "_TILE_INTERPRETER", tile)
     monkeypatch.setitem(kq.TUNING, "pack_t", pack_t)
     monkeypatch.setitem(kq.TUNING, "rows_flat", not pack_t)
+    monkeypatch.setitem(kq.TUNING, "t4", {**kq.TUNING["t4"], "enabled": t4})
+    monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4})
     x = hard(96, 160, seed=sum(tile), dtype=torch.bfloat16)
     q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
     q1, s1 = kq.quantize_rowwise(x, "e5m2", "floor", blocked=True)
@@ -290,6 +294,10 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t):
     qg, sg, _ = kq.quantize_grouped_colwise(x, offsets)
     rqg, rsg, _ = torch_quantize_grouped_dim0(x.cpu(), offsets.cpu())
     assert torch.equal(u8(qg), u8(rqg)) and torch.equal(u8(sg), u8(rsg))
+    for dt in (torch.bfloat16, torch.float32):  # transposed dequantized values, packed in pairs under t4
+        dqg, _ = kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", dt)
+        want = kq.dequantize_rowwise(rqg.to(DEV), rsg.to(DEV), torch.float32).to(dt).cpu()
+        assert torch.equal(dqg.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
     for dim in (0, 1):
         want = fake_quantize_mx(x.cpu(), dim=dim, out_dtype=torch.bfloat16, backend="reference")
         got = fake_quantize_mx(x, dim=dim, out_dtype=torch.bfloat16, backend="triton").cpu()

@@ -52,6 +52,9 @@ TUNING = {
     "hw_round": True,  # round with the float8 cast instruction (RNE, satfinite on sm89+)
     "pack_t": False,  # transposed stores as int32 words of 4 codes (per kernel above)
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
+    # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
+    "t4": {"tile": (64, 128), "num_warps": 4, "enabled": True},
+    "grouped_t4": {"block_c": 128, "num_warps": 4, "enabled": True},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
 _TILE_INTERPRETER = (64, 256)
@@ -106,7 +109,7 @@ def _launch_settings(kind: str) -> dict:
     common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
-                "hw_round": False, "soft_casts": True, **common}
+                "hw_round": False, "soft_casts": True, "enabled": TUNING[kind].get("enabled", True), **common}
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
 
 
@@ -152,6 +155,9 @@ def launch_tile(
         if dq_dtype is not None:
             shape = (B, C, R) if col_transpose else (B, R, C)
             dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
+    t4 = _launch_settings("t4")
+    use_t4 = (colwise and col_transpose and write_q and dq_dtype is None and t4["enabled"]
+              and t4["tile"][0] % BLOCK == 0)
     flat_rows = rowwise and not colwise and Cp == C and x3.is_contiguous() and _launch_settings("rows")["rows_flat"]
     if B and R and C and flat_rows:
         cfg = _launch_settings("rows")
@@ -161,6 +167,14 @@ def launch_tile(
             ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_B=cfg["block_b"],
             num_warps=cfg["num_warps"],
+        )
+    elif B and R and C and use_t4:
+        block_r, block_c = t4["tile"]
+        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
+        tk._mx_tile_t4_kernel[grid](
+            x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
+            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=t4["hw_round"],
+            SOFT_CASTS=t4["soft_casts"], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=t4["num_warps"],
         )
     elif B and R and C:
         cfg = _launch_settings("colwise" if colwise else "rowwise")
@@ -327,6 +341,17 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     if dq_dtype is not None:
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
+        cfg = _launch_settings("grouped_t4")
+        if cfg["enabled"]:
+            block_c = cfg["block_c"]
+            tk._mx_grouped_col_t4_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
+                x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
+                q, s, dq, Tp, _ceil_to(C, 128),
+                ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
+                HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
+                E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c, num_warps=cfg["num_warps"],
+            )
+            return out
         cfg = _launch_settings("grouped")
         block_c = cfg["block_c"]
         grid = (triton.cdiv(C, block_c), Tp // BLOCK)

@@ -83,9 +83,17 @@ def _scale_exponent(amax_bits, ELEM: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+def _nan_codes(codes, x, nonfinite):
+    """Codes of non-finite blocks replaced by NaN (0x7F) with the input's sign: the
+    arithmetic shift puts the sign in bit 7."""
+    return tl.where(nonfinite, ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8), codes)
+
+
+@triton.jit
+def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr, NAN_CODES: tl.constexpr):
     """x float32, e / nonfinite broadcast to x's shape -> (rounded element values r as
     float32 (exact grid values, sign of zero kept), element codes as uint8).
+    NAN_CODES=False leaves the codes of non-finite blocks to the caller (:func:`_nan_codes`).
 
     HW_ROUND=False rounds in float32 arithmetic first (the float8 cast is then exact);
     HW_ROUND=True leaves rounding to the float8 cast instruction (round to nearest even
@@ -119,8 +127,8 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
             codes = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             codes = r.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    # NaN code 0x7F with the input's sign bit: the arithmetic shift puts the sign in bit 7
-    codes = tl.where(nonfinite, ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8), codes)
+    if NAN_CODES:
+        codes = _nan_codes(codes, x, nonfinite)
     return r, codes
 
 
@@ -192,8 +200,10 @@ def _mx_rows_kernel(
     x = _to_float32(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0), SOFT_CASTS)
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)
-    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND)
+    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, False)
     if WRITE_Q:
+        if tl.max(nf.to(tl.int32)) != 0:  # a uniform branch: finite tiles skip the NaN select
+            codes = _nan_codes(codes, x, nf)
         tl.store(q_ptr + offs, codes, mask=ok[:, None])
         sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
         if BLOCKED:  # one blocked scale matrix per (rows_per_matrix, blocks_per_row) matrix
@@ -244,7 +254,7 @@ def _mx_tile_kernel(
             e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R, BLOCK_C // 32)
             e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
             nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
         row_ok = rows < R
         if WRITE_Q:
             q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
@@ -272,7 +282,7 @@ def _mx_tile_kernel(
             e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
             e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
             nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
-        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+        r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
         col_ok = cols < C
         out_mask = (rows < Rp)[:, None] & col_ok[None, :]
         srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
@@ -335,7 +345,7 @@ def _mx_grouped_col_kernel(
     e, nf = _scale_exponent(amax, ELEM, MODE)
     e_x = tl.broadcast_to(e[None, :], (32, BLOCK_C))
     nf_x = tl.broadcast_to(nf[None, :], (32, BLOCK_C))
-    r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND)
+    r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
     pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)  # column in the padded layout
     out_mask = (cols < C)[None, :] & (pos < Tp)[:, None]
     if WRITE_Q:
@@ -380,3 +390,198 @@ def _mx_dequant_kernel(
     sb_x = tl.reshape(tl.broadcast_to(sbits[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
     value = _dequantized(elems, sb_x - 127, sb_x == 255)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
+
+
+# ---- transposing kernels that pack before they transpose ----------------------------------
+# A column-wise copy is a transpose: code (r, c) goes to (c, r). Moving single bytes through
+# shared memory is what bounded the kernels above (ncu: L1/shared-memory bound). Here a tile
+# is read as four row-interleaved quarters x_j = rows 4i + j (each a coalesced load of its
+# own), so the four codes that share an output word sit in one thread: they are packed into
+# an int32 with shifts (no data movement), and only the words, 4x fewer and 4x wider, are
+# transposed.
+
+
+@triton.jit
+def _rowwise_quarter(x, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
+                     ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+                     Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row-wise codes and scales of the rows ``rows64`` (Q,) of a tile: x (Q, BLOCK_C) float32."""
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if BLOCK_C == 32:
+        e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)  # (Q, 1)
+        e_x = tl.broadcast_to(e, (Q, BLOCK_C))
+        nf_x = tl.broadcast_to(nf, (Q, BLOCK_C))
+    else:
+        amax = tl.max(tl.reshape(abs_bits, (Q, BLOCK_C // 32, 32)), axis=2)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (Q, BLOCK_C // 32)
+        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
+    _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, False)
+    if tl.max(nf.to(tl.int32)) != 0:
+        codes = _nan_codes(codes, x, nf_x)
+    q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
+    tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols64 < Cp)[None, :])
+    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+    scols = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    s_mask = row_ok[:, None] & (scols < Cp // 32)[None, :]
+    if BLOCKED:
+        n_col_tiles = (Cp // 32 + 3) // 4
+        s_off = b * R128 * n_col_tiles * 4 + _blocked_scale_offset(rows64[:, None], scols[None, :], n_col_tiles)
+    else:
+        s_off = b * R * (Cp // 32) + rows64[:, None] * (Cp // 32) + scols[None, :]
+    tl.store(sr_ptr + s_off, sbits, mask=s_mask)
+
+
+@triton.jit
+def _pack4(c0, c1, c2, c3):
+    """Four uint8 code tensors -> int32 words, c0 in the low byte (little-endian order)."""
+    return c0.to(tl.int32) | (c1.to(tl.int32) << 8) | (c2.to(tl.int32) << 16) | (c3.to(tl.int32) << 24)
+
+
+@triton.jit
+def _mx_tile_t4_kernel(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
+    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
+    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
+    Rp, Cp, R128, C128,
+    ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
+    HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
+    from one read; tile (BLOCK_R, BLOCK_C), BLOCK_R a multiple of 32, read as 4 quarters."""
+    Q: tl.constexpr = BLOCK_R // 4
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    i = tl.arange(0, Q)
+    r0 = pid_r * BLOCK_R + 4 * i  # first row of each group of four
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols64 = cols.to(tl.int64)
+    col_in = cols < C
+    base = x_ptr + b * stride_xb + cols64[None, :] * stride_xc
+    x0 = _to_float32(tl.load(base + r0.to(tl.int64)[:, None] * stride_xr,
+                             mask=(r0 < R)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x1 = _to_float32(tl.load(base + (r0 + 1).to(tl.int64)[:, None] * stride_xr,
+                             mask=(r0 + 1 < R)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x2 = _to_float32(tl.load(base + (r0 + 2).to(tl.int64)[:, None] * stride_xr,
+                             mask=(r0 + 2 < R)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x3 = _to_float32(tl.load(base + (r0 + 3).to(tl.int64)[:, None] * stride_xr,
+                             mask=(r0 + 3 < R)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    if ROWWISE:
+        _rowwise_quarter(x0, r0.to(tl.int64), r0 < R, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
+                         ELEM, MODE, BLOCKED, HW_ROUND, Q, BLOCK_C)
+        _rowwise_quarter(x1, (r0 + 1).to(tl.int64), r0 + 1 < R, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
+                         ELEM, MODE, BLOCKED, HW_ROUND, Q, BLOCK_C)
+        _rowwise_quarter(x2, (r0 + 2).to(tl.int64), r0 + 2 < R, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
+                         ELEM, MODE, BLOCKED, HW_ROUND, Q, BLOCK_C)
+        _rowwise_quarter(x3, (r0 + 3).to(tl.int64), r0 + 3 < R, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
+                         ELEM, MODE, BLOCKED, HW_ROUND, Q, BLOCK_C)
+    # column-wise: a 32-row block is 8 consecutive quarter rows of each x_j
+    m = tl.maximum(tl.maximum(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF),
+                   tl.maximum(x2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
+    if BLOCK_R == 32:
+        e, nf = _scale_exponent(tl.max(m, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
+        e_x = tl.broadcast_to(e, (Q, BLOCK_C))
+        nf_x = tl.broadcast_to(nf, (Q, BLOCK_C))
+    else:
+        amax = tl.max(tl.reshape(m, (BLOCK_R // 32, 8, BLOCK_C)), axis=1)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
+        e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
+    _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, False)
+    _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, False)
+    _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, False)
+    _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
+    if tl.max(nf.to(tl.int32)) != 0:
+        c0 = _nan_codes(c0, x0, nf_x)
+        c1 = _nan_codes(c1, x1, nf_x)
+        c2 = _nan_codes(c2, x2, nf_x)
+        c3 = _nan_codes(c3, x3, nf_x)
+    words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, Q)
+    w_idx = pid_r * Q + i
+    q_ptr = qc_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4) + cols64[:, None] * (Rp // 4) + w_idx[None, :]
+    tl.store(q_ptr, words, mask=col_in[:, None] & (w_idx < Rp // 4)[None, :])
+    srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
+    s_mask = (srows < Rp // 32)[:, None] & col_in[None, :]
+    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+    if BLOCKED:
+        n_col_tiles = (Rp // 32 + 3) // 4
+        s_off = b * C128 * n_col_tiles * 4 + _blocked_scale_offset(cols64[None, :], srows[:, None], n_col_tiles)
+    else:
+        s_off = b * C * (Rp // 32) + cols64[None, :] * (Rp // 32) + srows[:, None]
+    tl.store(sc_ptr + s_off, sbits, mask=s_mask)
+
+
+@triton.jit
+def _mx_grouped_col_t4_kernel(
+    x_ptr, stride_xt, stride_xc, T, C,
+    ends_ptr, block_starts_ptr, E,
+    q_ptr, s_ptr, d_ptr, Tp, C128,
+    ELEM: tl.constexpr, MODE: tl.constexpr,
+    WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+    SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``_mx_grouped_col_kernel`` with the 32-token block read as four 8-token quarters
+    (tokens 4i + j) so that codes are packed into int32 words before the transpose, and
+    dequantized bf16 values into pairs."""
+    pid_c = tl.program_id(0)
+    blk = tl.program_id(1)
+    ge = tl.arange(0, E_POW2)
+    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
+    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    g_safe = tl.minimum(g, E - 1)
+    block_start = tl.load(block_starts_ptr + g_safe)
+    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
+    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    i = tl.arange(0, 8)
+    t0 = tok_start + (blk - block_start) * 32 + 4 * i
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols64 = cols.to(tl.int64)
+    col_in = cols < C
+    base = x_ptr + cols64[None, :] * stride_xc
+    x0 = _to_float32(tl.load(base + t0.to(tl.int64)[:, None] * stride_xt,
+                             mask=(t0 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x1 = _to_float32(tl.load(base + (t0 + 1).to(tl.int64)[:, None] * stride_xt,
+                             mask=(t0 + 1 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x2 = _to_float32(tl.load(base + (t0 + 2).to(tl.int64)[:, None] * stride_xt,
+                             mask=(t0 + 2 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    x3 = _to_float32(tl.load(base + (t0 + 3).to(tl.int64)[:, None] * stride_xt,
+                             mask=(t0 + 3 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
+    m = tl.maximum(tl.maximum(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF),
+                   tl.maximum(x2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
+    e, nf = _scale_exponent(tl.max(m, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
+    e_x = tl.broadcast_to(e, (8, BLOCK_C))
+    nf_x = tl.broadcast_to(nf, (8, BLOCK_C))
+    r0, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, False)
+    r1, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, False)
+    r2, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, False)
+    r3, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
+    w_idx = blk * 8 + i  # word (4 tokens) index in the padded layout
+    if WRITE_Q:
+        if tl.max(nf.to(tl.int32)) != 0:
+            c0 = _nan_codes(c0, x0, nf_x)
+            c1 = _nan_codes(c1, x1, nf_x)
+            c2 = _nan_codes(c2, x2, nf_x)
+            c3 = _nan_codes(c3, x3, nf_x)
+        words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, 8)
+        ptr = q_ptr.to(tl.pointer_type(tl.int32)) + cols64[:, None] * (Tp // 4) + w_idx[None, :]
+        tl.store(ptr, words, mask=col_in[:, None] & (w_idx < Tp // 4)[None, :])
+        sbits = tl.reshape(tl.where(nf, 255, e + 127).to(tl.uint8), (BLOCK_C,))
+        if BLOCKED:
+            n_col_tiles = (Tp // 32 + 3) // 4
+            s_off = _blocked_scale_offset(cols64, blk.to(tl.int64), n_col_tiles)
+        else:
+            s_off = cols64 * (Tp // 32) + blk
+        tl.store(s_ptr + s_off, sbits, mask=col_in)
+    if WRITE_DQ:
+        dt = d_ptr.dtype.element_ty
+        d0 = _from_float32(_dequantized(r0, e_x, nf_x), dt, SOFT_CASTS)
+        d1 = _from_float32(_dequantized(r1, e_x, nf_x), dt, SOFT_CASTS)
+        d2 = _from_float32(_dequantized(r2, e_x, nf_x), dt, SOFT_CASTS)
+        d3 = _from_float32(_dequantized(r3, e_x, nf_x), dt, SOFT_CASTS)
+        # (8, BLOCK_C) x 4 -> (BLOCK_C, 8, 4): output row c, tokens 4i + j contiguous
+        v = tl.join(tl.join(d0, d2), tl.join(d1, d3))  # (8, BLOCK_C, 2, 2): [i, c, p, q] = d_(2p + q)
+        v = tl.permute(v, (1, 0, 2, 3))  # (BLOCK_C, 8, 2, 2): [c, i, p, q] = token 4i + 2p + q
+        v = tl.reshape(v, (BLOCK_C, 32))
+        pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)
+        tl.store(d_ptr + cols64[:, None] * Tp + pos[None, :], v, mask=col_in[:, None] & (pos < Tp)[None, :])
