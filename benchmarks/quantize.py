@@ -114,16 +114,15 @@ def sweep() -> dict:
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
     best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": True} for b in (64, 128, 256)
-                                  for w in (4, 8)] + [{"block_b": 128, "num_warps": 8, "hw_round": False}],
+                                  for w in (4, 8)],
                          lambda: kq.quantize_rowwise(x))
     # transposing kernels: the pack-before-transpose kernels (enabled) against the byte
     # kernels they replace (enabled False: the "colwise" / "grouped" settings)
     best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
-                              for t in ((32, 64), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64), (128, 128))
-                              for w in (2, 4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
+                              for t in ((32, 128), (64, 64), (64, 128), (128, 64)) for w in (4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
                        lambda: kq.quantize_rowcol(x))
     best["grouped_t4"] = _pick("grouped_t4", [{"block_c": b, "num_warps": w, "enabled": True}
-                                              for b in (64, 128, 256, 512) for w in (2, 4, 8)]
+                                              for b in (128, 256, 512) for w in (4, 8)]
                                + [{"block_c": 128, "num_warps": 4, "enabled": False}],
                                lambda: kq.quantize_grouped_colwise(x, offsets))
     best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],

@@ -200,10 +200,8 @@ def _mx_rows_kernel(
     x = _to_float32(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0), SOFT_CASTS)
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)
-    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, False)
+    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, True)
     if WRITE_Q:
-        if tl.max(nf.to(tl.int32)) != 0:  # a uniform branch: finite tiles skip the NaN select
-            codes = _nan_codes(codes, x, nf)
         tl.store(q_ptr + offs, codes, mask=ok[:, None])
         sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
         if BLOCKED:  # one blocked scale matrix per (rows_per_matrix, blocks_per_row) matrix
@@ -416,9 +414,7 @@ def _rowwise_quarter(x, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, qr_ptr, s
         e, nf = _scale_exponent(amax, ELEM, MODE)  # (Q, BLOCK_C // 32)
         e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
         nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
-    _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, False)
-    if tl.max(nf.to(tl.int32)) != 0:
-        codes = _nan_codes(codes, x, nf_x)
+    _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
     q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
     tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols64 < Cp)[None, :])
     sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
@@ -488,15 +484,10 @@ def _mx_tile_t4_kernel(
         e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
         e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
         nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
-    _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, False)
-    _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, False)
-    _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, False)
-    _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
-    if tl.max(nf.to(tl.int32)) != 0:
-        c0 = _nan_codes(c0, x0, nf_x)
-        c1 = _nan_codes(c1, x1, nf_x)
-        c2 = _nan_codes(c2, x2, nf_x)
-        c3 = _nan_codes(c3, x3, nf_x)
+    _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
+    _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, True)
+    _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, True)
+    _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, True)
     words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, Q)
     w_idx = pid_r * Q + i
     q_ptr = qc_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4) + cols64[:, None] * (Rp // 4) + w_idx[None, :]
@@ -558,11 +549,10 @@ def _mx_grouped_col_t4_kernel(
     r3, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
     w_idx = blk * 8 + i  # word (4 tokens) index in the padded layout
     if WRITE_Q:
-        if tl.max(nf.to(tl.int32)) != 0:
-            c0 = _nan_codes(c0, x0, nf_x)
-            c1 = _nan_codes(c1, x1, nf_x)
-            c2 = _nan_codes(c2, x2, nf_x)
-            c3 = _nan_codes(c3, x3, nf_x)
+        c0 = _nan_codes(c0, x0, nf_x)
+        c1 = _nan_codes(c1, x1, nf_x)
+        c2 = _nan_codes(c2, x2, nf_x)
+        c3 = _nan_codes(c3, x3, nf_x)
         words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, 8)
         ptr = q_ptr.to(tl.pointer_type(tl.int32)) + cols64[:, None] * (Tp // 4) + w_idx[None, :]
         tl.store(ptr, words, mask=col_in[:, None] & (w_idx < Tp // 4)[None, :])

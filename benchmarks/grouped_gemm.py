@@ -1,0 +1,208 @@
+"""MXFP8 grouped GEMM on the GPU: forward, dgrad and wgrad against BF16 ``torch._grouped_mm``.
+
+For each shape (T tokens, K, N, E experts) and routing, in one process:
+
+- bf16: ``torch._grouped_mm`` on bf16 operands (the baseline; TFLOP/s = 2 T K N / time).
+- mxfp8 (design a): each operand quantized to MXFP8 along its GEMM's contraction axis and
+  dequantized to bf16 in one memory-bound pass (Triton), then the same BF16
+  ``torch._grouped_mm``. Exact: E4M3 code x 2^scale is a bf16 value, and the GEMM
+  accumulates in float32. Timed as the library runs it (``mx_grouped_mm``'s forward, and its
+  dgrad and wgrad steps), and split into the quantization passes and the GEMM.
+  "w cached": the weight's quantized copies made once per optimizer step (they do not change
+  between micro-batches), so a step's GEMM pays only for the activation passes.
+- torchao 0.18 MXFP8 grouped GEMM (``_to_mxfp8_then_scaled_grouped_mm``, emulated: the only
+  mode it has on sm90), forward and forward + backward, if torchao is importable.
+
+    PYTHONPATH=src python3 benchmarks/grouped_gemm.py [--out results.json] [--smoke]
+
+Every ratio is against the bf16 time measured in the same process. Prints a table and
+writes JSON with the GPU name, torch and Triton versions and the commit (env COMMIT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mxmoe.ops.gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
+from mxmoe.ops.grouped_mm import mx_grouped_mm
+from mxmoe.ops.quantize import fake_quantize, fake_quantize_grouped_tokens
+from mxmoe.recipe import get_recipe
+
+SHAPES = [(32768, 4096, 2048, 16), (65536, 7168, 2048, 64), (16384, 2048, 1408, 64)]
+SKEWED = (32768, 4096, 2048, 16)  # a quarter of the experts get 70% of the tokens
+TARGET_VS_BF16 = 0.85
+TARGET_VS_TORCHAO = 8.0
+
+
+def group_sizes(T: int, E: int, skewed: bool, seed: int = 0) -> list[int]:
+    """E token counts summing to T: balanced with +-20% noise, or a quarter of the experts
+    sharing 70% of the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    if skewed:
+        hot = E // 4
+        w = torch.cat([torch.full((hot,), 0.70 / hot), torch.full((E - hot,), 0.30 / (E - hot))])
+        w = w * (1 + 0.1 * torch.rand(E, generator=g))
+    else:
+        w = 1 + 0.2 * (2 * torch.rand(E, generator=g) - 1)
+    sizes = (w / w.sum() * T).floor().long()
+    sizes[0] += T - sizes.sum()
+    return sizes.tolist()
+
+
+def bench(fn, smoke: bool) -> float:
+    """Median seconds."""
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def load_torchao():
+    try:
+        from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+        from torchao.quantization.quantize_.common import KernelPreference
+
+        return lambda a, b_t, offs: _to_mxfp8_then_scaled_grouped_mm(
+            a, b_t, offs, kernel_preference=KernelPreference.EMULATED)
+    except Exception as e:  # noqa: BLE001 - report whatever stops it
+        print(f"torchao not usable: {type(e).__name__}: {e}")
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON result file")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    import triton
+
+    info = {"gpu": "cpu" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": os.environ.get("COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%d"), "fmt": "e4m3", "mode": "rceil"}
+    print(json.dumps(info))
+    tao = None if smoke else load_torchao()
+    recipe = get_recipe("mxfp8", backend="reference" if smoke else "auto")
+    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
+    if smoke:
+        cases = [((256, 64, 96, 4), False), ((256, 64, 96, 4), True)]
+    rows = []
+    for (T, K, N, E), skewed in cases:
+        sizes = group_sizes(T, E, skewed)
+        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
+        dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+        flop = 2.0 * T * K * N
+        t = {}
+        # bf16 baseline
+        t["bf16 fwd"] = bench(lambda: grouped_mm_nt(x, w, offs), smoke)
+        t["bf16 dgrad"] = bench(lambda: grouped_mm_nn(dy, w, offs), smoke)
+        t["bf16 wgrad"] = bench(lambda: grouped_mm_tn(dy.t(), x.t(), offs), smoke)
+        # mxfp8 design (a): quantize-dequantize passes + bf16 grouped GEMM
+        t["mx fwd"] = bench(lambda: mx_grouped_mm(x, w, offs, recipe), smoke)
+        xq = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
+        wq_k = fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16)
+        wq_n = fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16)
+        dyq = fake_quantize(dy, recipe, dim=1, out_dtype=torch.bfloat16)
+        t["mx fwd: quantize x"] = bench(lambda: fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16), smoke)
+        t["mx fwd: quantize w"] = bench(lambda: fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16), smoke)
+        t["mx fwd: gemm"] = bench(lambda: grouped_mm_nt(xq, wq_k, offs), smoke)
+
+        def dgrad():
+            a = fake_quantize(dy, recipe, dim=1, out_dtype=torch.bfloat16)
+            b = fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16)
+            return grouped_mm_nn(a, b, offs)
+
+        t["mx dgrad"] = bench(dgrad, smoke)
+        t["mx dgrad: quantize w"] = bench(lambda: fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16), smoke)
+        t["mx dgrad: gemm"] = bench(lambda: grouped_mm_nn(dyq, wq_n, offs), smoke)
+
+        def wgrad():
+            a, po = fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)
+            b, _ = fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)
+            return grouped_mm_tn(a, b, po)
+
+        t["mx wgrad"] = bench(wgrad, smoke)
+        a_nl, po = fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)
+        b_kl, _ = fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)
+        t["mx wgrad: quantize dy, x"] = bench(lambda: (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16),
+                                                        fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)), smoke)
+        t["mx wgrad: gemm"] = bench(lambda: grouped_mm_tn(a_nl, b_kl, po), smoke)
+        # w cached: weight copies made once per optimizer step
+        t["mx fwd, w cached"] = t["mx fwd"] - t["mx fwd: quantize w"]
+        t["mx dgrad, w cached"] = t["mx dgrad"] - t["mx dgrad: quantize w"]
+        # exactness: design (a) equals bf16 grouped GEMM of the dequantized operands (same kernel)
+        exact = torch.equal(mx_grouped_mm(x, w, offs, recipe), grouped_mm_nt(xq, wq_k, offs))
+        if tao is not None:
+            w_t = w.transpose(-2, -1)  # (E, K, N), per-group column-major as torchao asks
+
+            def tao_fwd():
+                return tao(x, w_t, offs)
+
+            xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+            def tao_fwd_bwd():
+                out = tao(xr, wr.transpose(-2, -1), offs)
+                out.backward(dy)
+
+            try:
+                t["torchao fwd"] = bench(tao_fwd, smoke)
+                t["torchao fwd+bwd"] = bench(tao_fwd_bwd, smoke)
+            except Exception as e:  # noqa: BLE001
+                print(f"torchao failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+        def tf(k):
+            return flop / t[k] / 1e12 if k in t else None
+
+        row = {"T": T, "K": K, "N": N, "E": E, "skewed": skewed, "sizes_min_max": [min(sizes), max(sizes)],
+               "us": {k: v * 1e6 for k, v in t.items()}, "exact_fwd_vs_bf16_of_dequantized": exact}
+        for op in ("fwd", "dgrad", "wgrad"):
+            row[f"ratio {op}"] = t[f"bf16 {op}"] / t[f"mx {op}"]
+        for op in ("fwd", "dgrad"):
+            row[f"ratio {op}, w cached"] = t[f"bf16 {op}"] / t[f"mx {op}, w cached"]
+        if "torchao fwd" in t:
+            row["x torchao fwd"] = t["torchao fwd"] / t["mx fwd"]
+            mx_total = t["mx fwd"] + t["mx dgrad"] + t["mx wgrad"]
+            row["x torchao fwd+bwd"] = t["torchao fwd+bwd"] / mx_total
+        rows.append(row)
+        name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
+        print(f"\n{name}  (sizes {min(sizes)}..{max(sizes)}; design a exact: {exact})")
+        print(f"  {'what':28s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
+        for k, v in t.items():
+            op = k.split()[1].rstrip(":,") if k.startswith(("mx", "bf16")) else None
+            base = t.get(f"bf16 {op}") if op in ("fwd", "dgrad", "wgrad") else None
+            ratio = f"{base / v:7.2f}" if base and ":" not in k else "       "
+            tflops = f"{flop / v / 1e12:8.1f}" if ":" not in k and "fwd+bwd" not in k else "        "
+            print(f"  {k:28s} {v * 1e6:9.1f} {tflops} {ratio}")
+        if "x torchao fwd" in row:
+            print(f"  x torchao: fwd {row['x torchao fwd']:.1f}x, fwd+bwd {row['x torchao fwd+bwd']:.1f}x")
+        del x, w, dy, xq, wq_k, wq_n, dyq, a_nl, b_kl
+        if not smoke:
+            torch.cuda.empty_cache()
+    print("\nsummary against the targets (>= 0.85x bf16 TFLOP/s per GEMM, >= 8x torchao):")
+    for r in rows:
+        name = f"T={r['T']} K={r['K']} N={r['N']} E={r['E']}{' skewed' if r['skewed'] else ''}"
+        parts = [f"{op} {r[f'ratio {op}']:.2f}x" for op in ("fwd", "dgrad", "wgrad")]
+        parts += [f"{op} w-cached {r[f'ratio {op}, w cached']:.2f}x" for op in ("fwd", "dgrad")]
+        if "x torchao fwd" in r:
+            parts.append(f"vs torchao fwd {r['x torchao fwd']:.1f}x fwd+bwd {r['x torchao fwd+bwd']:.1f}x")
+        print(f"  {name:40s} " + ", ".join(parts))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
