@@ -44,7 +44,7 @@ BLOCK = tk.BLOCK
 # Launch settings: measured on the H200 (benchmarks/quantize.py sweeps them); the
 # interpreter uses large tiles, fewer programs, to keep the CPU tests quick.
 TUNING = {
-    "rows": {"block_b": 256, "num_warps": 4},  # contiguous row-wise: (n_blocks, 32) view
+    "rows": {"block_b": 128, "num_warps": 8},  # contiguous row-wise: (n_blocks, 32) view
     "rowwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
     "colwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
     "grouped": {"block_c": 128, "num_warps": 2, "pack_t": False},
@@ -53,7 +53,7 @@ TUNING = {
     "pack_t": False,  # transposed stores as int32 words of 4 codes (per kernel above)
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
     # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
-    "t4": {"tile": (64, 128), "num_warps": 4, "enabled": True},
+    "t4": {"tile": (64, 64), "num_warps": 4, "enabled": True},
     "grouped_t4": {"block_c": 128, "num_warps": 4, "enabled": True},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
