@@ -316,7 +316,9 @@ def _(x, fmt="e4m3", mode="rceil", blocked=False):
 
 
 def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bool,
-                    dq_dtype: torch.dtype | None, blocked: bool) -> dict[str, Tensor]:
+                    dq_dtype: torch.dtype | None, blocked: bool, src: Tensor | None = None) -> dict[str, Tensor]:
+    """src: optional (A,) int64 row of x for each sorted row (the token permute fused into
+    the read); the sorted rows then number A, not x.shape[0]."""
     _check_tensor(x)
     if x.dim() != 2:
         raise ValueError(f"x must be (T, C), got shape {tuple(x.shape)}")
@@ -326,6 +328,8 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     offsets = offsets.to(torch.int32).contiguous()  # the kernel indexes it densely
     elem, q_dtype, mode_code = _codes(fmt, mode)
     T, C = x.shape
+    if src is not None:
+        T = src.numel()
     E = offsets.numel()
     block_starts, padded_offsets, Tp = padded_group_layout(offsets, T)
     dev = x.device
@@ -342,14 +346,15 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
         cfg = _launch_settings("grouped_t4")
-        if cfg["enabled"]:
+        if cfg["enabled"] or src is not None:
             block_c = cfg["block_c"]
             tk._mx_grouped_col_t4_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
                 x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
-                q, s, dq, Tp, _ceil_to(C, 128),
+                q, s, dq, Tp, _ceil_to(C, 128), src if src is not None else dummy,
                 ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
                 HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
                 E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c, num_warps=cfg["num_warps"],
+                HAS_SRC=src is not None,
             )
             return out
         cfg = _launch_settings("grouped")

@@ -507,14 +507,15 @@ def _mx_tile_t4_kernel(
 def _mx_grouped_col_t4_kernel(
     x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,
-    q_ptr, s_ptr, d_ptr, Tp, C128,
+    q_ptr, s_ptr, d_ptr, Tp, C128, src_ptr,
     ELEM: tl.constexpr, MODE: tl.constexpr,
     WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-    SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
+    SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SRC: tl.constexpr,
 ):
     """``_mx_grouped_col_kernel`` with the 32-token block read as four 8-token quarters
     (tokens 4i + j) so that codes are packed into int32 words before the transpose, and
-    dequantized bf16 values into pairs."""
+    dequantized bf16 values into pairs. HAS_SRC: sorted row t is row src[t] of x (the
+    token permute fused into the read; T then counts sorted rows)."""
     pid_c = tl.program_id(0)
     blk = tl.program_id(1)
     ge = tl.arange(0, E_POW2)
@@ -530,13 +531,20 @@ def _mx_grouped_col_t4_kernel(
     cols64 = cols.to(tl.int64)
     col_in = cols < C
     base = x_ptr + cols64[None, :] * stride_xc
-    x0 = _to_float32(tl.load(base + t0.to(tl.int64)[:, None] * stride_xt,
+    if HAS_SRC:
+        s0 = tl.load(src_ptr + t0, mask=t0 < tok_end, other=0).to(tl.int64)
+        s1 = tl.load(src_ptr + t0 + 1, mask=t0 + 1 < tok_end, other=0).to(tl.int64)
+        s2 = tl.load(src_ptr + t0 + 2, mask=t0 + 2 < tok_end, other=0).to(tl.int64)
+        s3 = tl.load(src_ptr + t0 + 3, mask=t0 + 3 < tok_end, other=0).to(tl.int64)
+    else:
+        s0, s1, s2, s3 = t0.to(tl.int64), (t0 + 1).to(tl.int64), (t0 + 2).to(tl.int64), (t0 + 3).to(tl.int64)
+    x0 = _to_float32(tl.load(base + s0[:, None] * stride_xt,
                              mask=(t0 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x1 = _to_float32(tl.load(base + (t0 + 1).to(tl.int64)[:, None] * stride_xt,
+    x1 = _to_float32(tl.load(base + s1[:, None] * stride_xt,
                              mask=(t0 + 1 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x2 = _to_float32(tl.load(base + (t0 + 2).to(tl.int64)[:, None] * stride_xt,
+    x2 = _to_float32(tl.load(base + s2[:, None] * stride_xt,
                              mask=(t0 + 2 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x3 = _to_float32(tl.load(base + (t0 + 3).to(tl.int64)[:, None] * stride_xt,
+    x3 = _to_float32(tl.load(base + s3[:, None] * stride_xt,
                              mask=(t0 + 3 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
     m = tl.maximum(tl.maximum(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF),
                    tl.maximum(x2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF))

@@ -1,0 +1,110 @@
+"""Host side of the fused MoE kernels (:mod:`mxmoe.kernels.triton_moe`).
+
+| function | reads | writes |
+|---|---|---|
+| :func:`triton_gather_fake_quantize_rows` | x (T, D), src (A,) | (A, D) dequantized MXFP8 of x[src], blocks along D |
+| :func:`triton_quantize_grouped_gather` | x (T, D), src (A,), offsets (E,) | codes (D, Ap), scales (D, Ap / 32), padded offsets: x[src] blocked along each expert's tokens |
+| :func:`triton_swiglu_quantize` | h (A, 2F) | act (A, F) dequantized MXFP8 of silu(gate) * up; codes (A, 2F) + scales (A, 2F / 32) of h |
+| :func:`triton_swiglu_backward` | codes + scales of h, d(act) (A, F) | dh (A, 2F), recomputed act (A, F) |
+
+D and F must be multiples of 32 (the callers in :mod:`mxmoe.ops.moe_experts` check and
+otherwise take the composed path). FP8 element formats only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from . import triton_moe as km
+from .quantize import _codes, _grouped_launch, _launch_settings, interpreting
+
+BLOCK = 32
+# (rows, columns) per program and warps, on the GPU and under the interpreter
+TUNING = {"gather": ((32, 128), 4), "swiglu": ((32, 64), 4), "swiglu_bwd": ((32, 64), 4)}
+_INTERPRETER_TILE = (64, 128)
+
+
+def _tile(kind: str) -> tuple[int, int, int]:
+    (r, c), w = TUNING[kind]
+    if interpreting():
+        r, c = _INTERPRETER_TILE
+    return r, c, w
+
+
+def _check(t: Tensor, name: str, width: int) -> None:
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {t.device}; the fused MoE kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    if width % BLOCK:
+        raise ValueError(f"{name}'s blocked width is {width}, not a multiple of {BLOCK}")
+
+
+def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode: str,
+                                     out_dtype: torch.dtype) -> Tensor:
+    """out[a] = dequantize(quantize(x[src[a]], blocks along D)): the token permute fused
+    with the forward GEMM operand's MXFP8 rounding. x (T, D) float32/bf16 with unit column
+    stride; src (A,) int64 in [0, T). Returns (A, D) ``out_dtype``."""
+    _check(x_TD, "x", x_TD.shape[1])
+    elem, _, mode_code = _codes(fmt, mode)
+    A, D = src_A.numel(), x_TD.shape[1]
+    if x_TD.stride(1) != 1:
+        x_TD = x_TD.contiguous()
+    out = torch.empty(A, D, dtype=out_dtype, device=x_TD.device)
+    if A and D:
+        br, bc, w = _tile("gather")
+        cfg = _launch_settings("rows")
+        km._gather_fake_quant_rows_kernel[(triton.cdiv(D, bc), triton.cdiv(A, br))](
+            x_TD, x_TD.stride(0), src_A.contiguous(), A, D, out, ELEM=elem, MODE=mode_code,
+            HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return out
+
+
+def triton_quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, fmt: str,
+                                   mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes (D, Ap) and scales (D, Ap / 32) of x[src] quantized along tokens, each expert's
+    tokens in their own blocks (the per-expert padded layout of
+    :mod:`mxmoe.numerics.grouped`, Ap = 32 * (A // 32 + E)), and the padded offsets."""
+    out = _grouped_launch(x_TD, offsets_E, fmt, mode, True, None, False, src=src_A.contiguous())
+    return out["q"], out["s"], out["padded_offsets"]
+
+
+def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.dtype
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """From h = [gate | up] (A, 2F), contiguous: act = silu(gate) * up (float32 math) as
+    dequantized MXFP8 along F in ``act_dtype``; h's codes (A, 2F) and E8M0 scales
+    (A, 2F / 32), blocks along F within gate and within up."""
+    A, F2 = h_A2F.shape
+    F = F2 // 2
+    _check(h_A2F, "h", F)
+    elem, q_dtype, mode_code = _codes(fmt, mode)
+    h_A2F = h_A2F.contiguous()
+    dev = h_A2F.device
+    act = torch.empty(A, F, dtype=act_dtype, device=dev)
+    hq = torch.empty(A, F2, dtype=torch.uint8, device=dev)
+    hs = torch.empty(A, F2 // BLOCK, dtype=torch.uint8, device=dev)
+    if A and F:
+        br, bc, w = _tile("swiglu")
+        cfg = _launch_settings("rows")
+        km._swiglu_fwd_kernel[(triton.cdiv(F, bc), triton.cdiv(A, br))](
+            h_A2F, A, F, act, hq, hs, ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"],
+            SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return act, hq.view(q_dtype), hs.view(torch.float8_e8m0fnu)
+
+
+def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype
+                           ) -> tuple[Tensor, Tensor]:
+    """d(gate) | d(up) (A, 2F) and the recomputed act = silu(gate) * up (A, F), both in
+    ``out_dtype``, from the saved codes/scales of h and d(act) (A, F)."""
+    A, F = dact_AF.shape
+    _check(dact_AF, "d(act)", F)
+    elem = 0 if hq.dtype == torch.float8_e4m3fn else 1
+    dev = dact_AF.device
+    dh = torch.empty(A, 2 * F, dtype=out_dtype, device=dev)
+    act = torch.empty(A, F, dtype=out_dtype, device=dev)
+    if A and F:
+        br, bc, w = _tile("swiglu_bwd")
+        km._swiglu_bwd_kernel[(triton.cdiv(F, bc), triton.cdiv(A, br))](
+            hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act, ELEM=elem,
+            SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return dh, act

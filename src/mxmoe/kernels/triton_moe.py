@@ -1,0 +1,134 @@
+"""Triton kernels of the MXFP8 MoE expert block, each fused with the quantization next to it.
+
+- ``_gather_fake_quant_rows_kernel``: token permute (gather of the routed rows) fused with
+  the forward operand's quantize-dequantize along the model dim.
+- ``_swiglu_fwd_kernel``: silu(gate) * up in float32, its MXFP8 quantize-dequantize along F
+  (the second expert GEMM's operand), and the MXFP8 codes + E8M0 scales of gate and up
+  (what the backward keeps instead of bf16), in one read of h.
+- ``_swiglu_bwd_kernel``: from the saved codes of gate and up and d(act): d(gate), d(up)
+  and the recomputed activation (for the second GEMM's weight gradient), in one pass.
+
+Element and scale rules are those of :mod:`mxmoe.kernels.triton_quantize` (docs/NUMERICS.md);
+the activation math is float32: silu(g) = g / (1 + exp(-g)).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_quantize import _dequantized, _from_float32, _quantize_values, _scale_exponent, _to_float32
+
+
+@triton.jit
+def _row_blocks_qdq(x, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x (BLOCK_R, BLOCK_C) float32, blocks of 32 along C -> (codes uint8, scale bytes
+    (BLOCK_R, BLOCK_C // 32) uint8, dequantized float32)."""
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
+    e, nf = _scale_exponent(amax, ELEM, MODE)
+    e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
+    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+    return codes, sbits, _dequantized(r, e_x, nf_x)
+
+
+@triton.jit
+def _decode(codes, sbits, ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """FP8 codes (BLOCK_R, BLOCK_C) uint8 and scale bytes (BLOCK_R, BLOCK_C // 32) -> float32."""
+    if ELEM == 0:
+        elems = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if SOFT_CASTS:
+            elems = tl.where((codes & 0x7F) == 0x7F, float("nan"), elems)
+    else:
+        elems = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        if SOFT_CASTS:
+            special = (codes & 0x7C) == 0x7C
+            inf = tl.where((codes & 0x80) != 0, float("-inf"), float("inf"))
+            elems = tl.where(special, tl.where((codes & 0x03) == 0, inf, float("nan")), elems)
+    sb = sbits.to(tl.int32)
+    sb_x = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    return _dequantized(elems, sb_x - 127, sb_x == 255)
+
+
+@triton.jit
+def _gather_fake_quant_rows_kernel(
+    x_ptr, stride_x, src_ptr, A, D, out_ptr,  # x (T, D) rows; src (A,) int64 token of each row; out (A, D)
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    row_ok = rows < A
+    src = tl.load(src_ptr + rows, mask=row_ok, other=0)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = _to_float32(tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
+    _, _, dq = _row_blocks_qdq(x, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
+             _from_float32(dq, out_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
+
+
+@triton.jit
+def _sigmoid(g):
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    h_ptr, A, F,  # h (A, 2F) contiguous: gate = h[:, :F], up = h[:, F:]
+    act_ptr,  # (A, F) dequantized MXFP8 of silu(gate) * up, blocks along F
+    hq_ptr, hs_ptr,  # (A, 2F) codes of gate | up, (A, 2F / 32) scale bytes
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < A)[:, None] & (cols < F)[None, :]
+    g_off = rows[:, None] * (2 * F) + cols[None, :]
+    g = _to_float32(tl.load(h_ptr + g_off, mask=mask, other=0.0), SOFT_CASTS)
+    u = _to_float32(tl.load(h_ptr + g_off + F, mask=mask, other=0.0), SOFT_CASTS)
+    gq, gs, _ = _row_blocks_qdq(g, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
+    uq, us, _ = _row_blocks_qdq(u, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
+    tl.store(hq_ptr + g_off, gq, mask=mask)
+    tl.store(hq_ptr + g_off + F, uq, mask=mask)
+    scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    s_mask = (rows < A)[:, None] & (scols < F // 32)[None, :]
+    s_off = rows[:, None] * (2 * F // 32) + scols[None, :]
+    tl.store(hs_ptr + s_off, gs, mask=s_mask)
+    tl.store(hs_ptr + s_off + F // 32, us, mask=s_mask)
+    act = g * _sigmoid(g) * u
+    _, _, act_dq = _row_blocks_qdq(act, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
+    tl.store(act_ptr + rows[:, None] * F + cols[None, :], _from_float32(act_dq, act_ptr.dtype.element_ty, SOFT_CASTS),
+             mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    hq_ptr, hs_ptr, dact_ptr, A, F,  # saved codes (A, 2F), scale bytes (A, 2F / 32); d(act) (A, F)
+    dh_ptr, act_ptr,  # outputs: d(gate) | d(up) (A, 2F); recomputed act (A, F)
+    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < A)[:, None] & (cols < F)[None, :]
+    g_off = rows[:, None] * (2 * F) + cols[None, :]
+    scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    s_mask = (rows < A)[:, None] & (scols < F // 32)[None, :]
+    s_off = rows[:, None] * (2 * F // 32) + scols[None, :]
+    g = _decode(tl.load(hq_ptr + g_off, mask=mask, other=0), tl.load(hs_ptr + s_off, mask=s_mask, other=127),
+                ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
+    u = _decode(tl.load(hq_ptr + g_off + F, mask=mask, other=0),
+                tl.load(hs_ptr + s_off + F // 32, mask=s_mask, other=127), ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
+    da = _to_float32(tl.load(dact_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
+    s = _sigmoid(g)
+    silu = g * s
+    dg = da * u * (s * (1.0 + g * (1.0 - s)))
+    du = da * silu
+    dt = dh_ptr.dtype.element_ty
+    tl.store(dh_ptr + g_off, _from_float32(dg, dt, SOFT_CASTS), mask=mask)
+    tl.store(dh_ptr + g_off + F, _from_float32(du, dt, SOFT_CASTS), mask=mask)
+    tl.store(act_ptr + rows[:, None] * F + cols[None, :],
+             _from_float32(silu * u, act_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
