@@ -16,7 +16,10 @@ from mxmoe import get_recipe, mx_grouped_mm, mx_linear, quantize_mx
 # group sizes [162, 0, 257, 46, 0, 83]), same for the grouped and the dense op:
 #   bf16 50.8 / 50.8 / 50.8; mxfp8 28.5 / 28.5 / 28.5; mxfp8-floor 27.7 / 27.6 / 27.5;
 #   mxfp8-bf16-wgrad 28.5 / 28.5 / 133.9 (dw in float32 on unquantized operands).
-# Each floor sits 2 dB under its measurement (out / dx / dw).
+# Each floor sits 2 dB under its measurement (out / dx / dw). The edge cases of
+# tests/test_grouped_edges.py (Gaussian x and dy, w / 8; jagged and empty experts, 33-256
+# experts, N = 33, K = 1408 / 2880; only cases with >= 64 tokens) measure within
+# bf16 50.6-51.1 and mxfp8 28.3-28.9 dB on every tensor, and are held to these floors.
 SQNR_FLOOR_DB = {
     ("bf16", "out"): 48.5, ("bf16", "dx"): 48.5, ("bf16", "dw"): 48.5,
     ("mxfp8", "out"): 26.5, ("mxfp8", "dx"): 26.5, ("mxfp8", "dw"): 26.5,
