@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import mx_grouped_mm, mx_linear
+from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
+from ..ops.sm100 import use_native_mx_grouped_mm
 from ..recipe import Recipe
 
 
@@ -44,6 +46,23 @@ class RouterOutput:
     probs_TE: Tensor
 
 
+class _Float32Linear(torch.autograd.Function):
+    """logits = float32(x) @ float32(W)^T, saving x in its own dtype (bf16: half the bytes
+    of the float32 copy F.linear would keep); the backward repeats F.linear's float32 math."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return F.linear(x_TD.float(), w_ED.float())
+
+    @staticmethod
+    def backward(ctx, g_TE: Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        dx = (g_TE @ w_ED.float()).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        dw = (g_TE.t() @ x_TD.float()).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class TopKRouter(nn.Module):
     """Token-choice top-k router in float32 (softmax over experts, top-k renormalized).
 
@@ -60,7 +79,7 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = _Float32Linear.apply(x_TD, self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         # topk on probs; a stable sort by descending value keeps the lower index first on ties
         weights_Tk, experts_Tk = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
@@ -156,15 +175,20 @@ class MoELayer(nn.Module):
             SwiGLU shared expert of that width whose output is added to every token.
         recipe: precision of the expert (and shared expert) GEMMs. The router always runs
             in float32.
+        fused: under an MXFP8 recipe (and D, F multiples of 32) run the experts as the
+            fused op :func:`~mxmoe.ops.moe_experts.mx_moe_experts` (gather fused with
+            quantization, FP8 activations saved for the backward); False composes two
+            :func:`~mxmoe.ops.mx_grouped_mm` calls and a bf16 SwiGLU.
 
     Forward: ``x`` (..., D) in the activation dtype -> (y (..., D), :class:`MoEAux`).
     After each forward, ``last_tokens_per_expert`` holds the (E,) token counts.
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, d_expert: int, n_layers: int,
-                 recipe: Recipe, shared_expert_hidden: int = 0):
+                 recipe: Recipe, shared_expert_hidden: int = 0, fused: bool = True):
         super().__init__()
         self.n_experts, self.top_k, self.recipe = n_experts, top_k, recipe
+        self.fused = fused and supports_fused_experts(d_model, d_expert, recipe)
         self.router = TopKRouter(d_model, n_experts, top_k)
         self.experts = SwiGLUExperts(n_experts, d_model, d_expert, n_layers)
         self.shared = SwiGLU(d_model, shared_expert_hidden, n_layers) if shared_expert_hidden > 0 else None
@@ -181,9 +205,15 @@ class MoELayer(nn.Module):
         order_A = torch.argsort(experts_A, stable=True)
         counts_E = torch.bincount(experts_A, minlength=self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
-        x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
-        y_sorted_AD = self.experts(x_sorted_AD, offsets_E, self.recipe)
+        # sm100 runs MXFP8 natively through mx_grouped_mm; the fused op targets sm90 and the CPU
+        if self.fused and not use_native_mx_grouped_mm(x_TD.device, self.recipe):
+            # the gather happens inside the op, fused with quantization
+            y_sorted_AD = mx_moe_experts(x_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
+                                         self.recipe)
+        else:
+            x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
+            x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
+            y_sorted_AD = self.experts(x_sorted_AD, offsets_E, self.recipe)
         # combine: undo the permutation, weight each choice, sum over k
         y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
         y_TD = (y_AD.view(T, k, D) * r.weights_Tk.to(y_AD.dtype).unsqueeze(-1)).sum(dim=1)

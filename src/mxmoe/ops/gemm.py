@@ -53,6 +53,31 @@ def _use_grouped_mm(*operands: Tensor) -> bool:
     return _grouped_mm_supported(a.device.type, a.dtype) and all(_aligned(t) for t in operands)
 
 
+_ALIGN_ELEMS = 8  # 16 bytes of bf16
+
+
+def _pad_to(t: Tensor, sizes: dict[int, int]) -> Tensor:
+    """``t`` contiguous, zero padded at the end of each dim d to ``sizes[d]`` (exact for a GEMM:
+    padded contraction entries are zeros, padded output rows / columns are sliced off)."""
+    if all(t.shape[d] == n for d, n in sizes.items()):
+        return t.contiguous()
+    shape = list(t.shape)
+    for d, n in sizes.items():
+        shape[d] = n
+    out = t.new_zeros(shape)
+    out[tuple(slice(0, m) for m in t.shape)] = t
+    return out
+
+
+def _up(n: int) -> int:
+    return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
+
+
+def _grouped_mm_device_ok(a: Tensor) -> bool:
+    """torch._grouped_mm runs here (device, dtype); shapes are padded to its alignment."""
+    return a.device.type == "cuda" and _grouped_mm_supported(a.device.type, a.dtype)
+
+
 def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
     ends = offsets_E.tolist()  # host sync: only on the fallback path
     starts = [0] + ends[:-1]
@@ -94,6 +119,11 @@ def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
         return x_TK.new_zeros(T, N)
     if _use_grouped_mm(x_TK, w_ENK) and (N * x_TK.element_size()) % _ALIGN_BYTES == 0:
         out = torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+    elif _grouped_mm_device_ok(x_TK):  # pad K and N to 16 bytes: no per-expert loop, no host sync
+        K = x_TK.shape[1]
+        xp = _pad_to(x_TK, {1: _up(K)})
+        wp = _pad_to(w_ENK, {1: _up(N), 2: _up(K)})
+        out = torch._grouped_mm(xp, wp.transpose(-2, -1), offs=offsets_E.to(torch.int32))[:, :N]
     else:
         out = x_TK.new_empty(T, N)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
@@ -116,6 +146,11 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
         return dy_TN.new_zeros(T, K)
     if _use_grouped_mm(dy_TN, w_ENK) and (K * dy_TN.element_size()) % _ALIGN_BYTES == 0:
         out = torch._grouped_mm(dy_TN, w_ENK, offs=offsets_E.to(torch.int32))
+    elif _grouped_mm_device_ok(dy_TN):  # pad K and N to 16 bytes: no per-expert loop, no host sync
+        N = dy_TN.shape[1]
+        dyp = _pad_to(dy_TN, {1: _up(N)})
+        wp = _pad_to(w_ENK, {1: _up(N), 2: _up(K)})
+        out = torch._grouped_mm(dyp, wp, offs=offsets_E.to(torch.int32))[:, :K]
     else:
         out = dy_TN.new_empty(T, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
@@ -142,6 +177,11 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
         return a_NL.new_zeros(E, N, K)
     if _use_grouped_mm(a_NL, b_KL) and (K * a_NL.element_size()) % _ALIGN_BYTES == 0:
         out = torch._grouped_mm(a_NL, b_KL.t(), offs=offsets_E.to(torch.int32))
+    elif _grouped_mm_device_ok(a_NL):  # pad N, K and L to 16 bytes: no per-expert loop, no host sync
+        Lp = _up(L)
+        ap = _pad_to(a_NL, {0: _up(N), 1: Lp})
+        bp = _pad_to(b_KL, {0: _up(K), 1: Lp})
+        out = torch._grouped_mm(ap, bp.t(), offs=offsets_E.to(torch.int32))[:, :N, :K]
     else:
         out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn, zero_rows_past_end
 from .quantize import fake_quantize, fake_quantize_grouped_tokens
+from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn, use_native_mx_grouped_mm
 
 
 class _MXGroupedMMFunction(torch.autograd.Function):
@@ -28,6 +29,11 @@ class _MXGroupedMMFunction(torch.autograd.Function):
     def forward(ctx, x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
         dtype = x_TK.dtype
         x_TK = zero_rows_past_end(x_TK, offsets_E)
+        ctx.native = recipe.quantize and use_native_mx_grouped_mm(x_TK.device, recipe)
+        if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
+            ctx.save_for_backward(x_TK, w_ENK, offsets_E)
+            ctx.recipe = recipe
+            return native_grouped_mm_nt(x_TK, w_ENK, offsets_E, recipe, out_dtype=dtype)
         if recipe.quantize:
             xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype)  # along K
             wq_ENK = fake_quantize(w_ENK, recipe, dim=2, out_dtype=dtype)  # along K
@@ -44,6 +50,13 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         dtype = x_TK.dtype
         dy_TN = zero_rows_past_end(dy_TN.to(dtype).contiguous(), offsets_E)  # may arrive expanded
         dx = dw = None
+        if ctx.native:
+            if ctx.needs_input_grad[0]:
+                dx = native_grouped_mm_nn(dy_TN, w_ENK, offsets_E, recipe, out_dtype=dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (grouped_mm_tn(dy_TN.t(), x_TK.t(), offsets_E) if recipe.wgrad_high_precision
+                      else native_grouped_mm_tn(dy_TN, x_TK, offsets_E, recipe)).to(w_ENK.dtype)
+            return dx, dw, None, None
         if ctx.needs_input_grad[0]:
             if recipe.quantize:
                 dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N

@@ -1,0 +1,167 @@
+"""The whole MoE layer (router to combine), forward + backward, MXFP8 against BF16.
+
+Same weights, same tokens, same process. For each shape (T tokens, D, F, E experts, k):
+- time of forward + backward: bf16 layer (composed path), mxfp8 fused
+  (:func:`mxmoe.ops.moe_experts.mx_moe_experts`), mxfp8 composed (two ``mx_grouped_mm``);
+- activation memory kept for backward: ``torch.cuda.memory_allocated`` after the forward
+  minus before (inputs and weights excluded), per variant;
+- a breakdown of the mxfp8 fused layer's forward + backward by stage (router, permute +
+  quantize, GEMMs, SwiGLU, quantize passes, combine), from the CUDA-event profiler.
+
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out results.json] [--smoke]
+
+Prints tables and writes JSON with the GPU name, torch/Triton versions and commit (env COMMIT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from mxmoe.moe.layer import MoELayer
+from mxmoe.recipe import get_recipe
+
+# (T, D, F, E, k): tokens per micro-batch, model width, expert width, experts, top-k
+SHAPES = [(32768, 4096, 2048, 16, 2), (16384, 2048, 1408, 64, 8), (16384, 7168, 2048, 32, 4)]
+TARGET_SPEED = 0.9
+TARGET_MEMORY = 0.6
+
+
+def bench(fn, smoke):
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=50, return_mode="median") / 1e3
+
+
+def build(D, F, E, k, recipe, fused, dev, state=None):
+    m = MoELayer(D, E, k, F, 8, recipe, fused=fused).to(dev)
+    if state is not None:
+        m.load_state_dict(state)
+    return m
+
+
+def step(m, x, dy):
+    xx = x.detach().requires_grad_(True)
+    y, aux = m(xx)
+    y.backward(dy)
+
+
+def activation_bytes(m, x, dev):
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    xx = x.detach().requires_grad_(True)
+    before = torch.cuda.memory_allocated()
+    y, aux = m(xx)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y, aux, xx
+    return kept
+
+
+def breakdown(m, x, dy):
+    """CUDA time per stage of one forward + backward (torch.profiler kernel names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(m, x, dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(m, x, dy)
+        torch.cuda.synchronize()
+    cats = defaultdict(float)
+    for e in prof.key_averages():
+        name = e.key.lower()
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if us <= 0:
+            continue
+        if "gather_fake_quant" in name or "grouped_col" in name or "index" in name and "select" in name:
+            cat = "permute + quantize"
+        elif "swiglu" in name:
+            cat = "swiglu (+ quantize)"
+        elif "gemm" in name or "cutlass" in name or "sm90" in name or "grouped_mm" in name or "xmma" in name:
+            cat = "grouped GEMMs"
+        elif "mx_" in name or "dequant" in name:
+            cat = "quantize passes"
+        elif "sort" in name or "softmax" in name or "topk" in name or "bincount" in name or "cumsum" in name \
+                or "logsumexp" in name:
+            cat = "router + dispatch"
+        else:
+            cat = "other (combine, casts, elementwise)"
+        cats[cat] += us
+    return dict(cats)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    import triton
+
+    info = {"gpu": "cpu" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": os.environ.get("COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(info))
+    shapes = [(256, 64, 64, 4, 2)] if smoke else SHAPES
+    rows = []
+    for T, D, F, E, k in shapes:
+        torch.manual_seed(0)
+        bf = build(D, F, E, k, get_recipe("bf16"), False, dev)
+        state = bf.state_dict()
+        mx = build(D, F, E, k, get_recipe("mxfp8"), True, dev, state)
+        mxc = build(D, F, E, k, get_recipe("mxfp8"), False, dev, state)
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        t = {name: bench(lambda m=m: step(m, x, dy), smoke) for name, m in
+             (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
+        mem = {name: activation_bytes(m, x, dev) for name, m in
+               (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
+        row = {"T": T, "D": D, "F": F, "E": E, "k": k, "ms": {n: v * 1e3 for n, v in t.items()},
+               "speed_vs_bf16": {n: t["bf16"] / v for n, v in t.items()},
+               "activation_MB": {n: (v / 1e6 if v is not None else None) for n, v in mem.items()}}
+        if mem["bf16"]:
+            row["memory_vs_bf16"] = {n: v / mem["bf16"] for n, v in mem.items()}
+        if not smoke:
+            row["breakdown_us_mxfp8_fused"] = breakdown(mx, x, dy)
+            row["breakdown_us_bf16"] = breakdown(bf, x, dy)
+        rows.append(row)
+        print(f"\nT={T} D={D} F={F} E={E} k={k}")
+        for n in t:
+            mm = f"{row['activation_MB'][n]:9.1f} MB" if row["activation_MB"][n] is not None else "        -"
+            rm = f"{row['memory_vs_bf16'][n]:5.2f}x" if "memory_vs_bf16" in row else "    -"
+            print(f"  {n:16s} {t[n] * 1e3:9.2f} ms  {row['speed_vs_bf16'][n]:5.2f}x bf16 speed   "
+                  f"activations {mm} {rm}")
+        for key in ("breakdown_us_mxfp8_fused", "breakdown_us_bf16"):
+            if key in row:
+                print(f"  {key}: " + ", ".join(f"{c} {v / 1e3:.2f} ms" for c, v in sorted(row[key].items())))
+        del bf, mx, mxc, x, dy
+        if not smoke:
+            torch.cuda.empty_cache()
+    print(f"\nsummary (targets: fused fwd+bwd >= {TARGET_SPEED}x bf16 speed, activations <= {TARGET_MEMORY}x bf16):")
+    for r in rows:
+        sp = r["speed_vs_bf16"]["mxfp8 fused"]
+        mv = r.get("memory_vs_bf16", {}).get("mxfp8 fused")
+        print(f"  T={r['T']} D={r['D']} F={r['F']} E={r['E']} k={r['k']}: speed {sp:.2f}x "
+              f"({'met' if sp >= TARGET_SPEED else 'MISSED'}), memory "
+              + (f"{mv:.2f}x ({'met' if mv <= TARGET_MEMORY else 'MISSED'})" if mv is not None else "n/a"))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

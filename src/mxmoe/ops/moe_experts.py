@@ -1,0 +1,209 @@
+"""The MXFP8 SwiGLU expert block as one autograd op: permute, three grouped GEMMs forward
+and six backward, SwiGLU, with FP8 activations saved for the backward.
+
+Legend: T tokens, D model width, F expert hidden width, E experts, A routed rows (T * k)
+sorted by expert, Ap = 32 * (A // 32 + E) the per-expert padded token length.
+
+Forward (recipe ``mxfp8``):
+
+    x_TD --gather rows src_A, quantize along D--> xq_AD (bf16, exact MXFP8 values)
+         --gather rows, quantize along each expert's tokens--> x codes (D, Ap) + scales   [saved]
+    h_A2F = xq_AD @ Q_D(w13_E2FD)^T                                      (grouped GEMM)
+    act_AF = Q_F(silu(gate) * up), h's codes + scales along F                          [saved]
+    y_AD = act_AF @ Q_F(w2_EDF)^T                                        (grouped GEMM)
+
+Backward (dy_AD):
+
+    d_act_AF = Q_D(dy) @ Q_D(w2)                                         (dgrad, grouped GEMM)
+    gate', up' = dequantize(saved h); act' = silu(gate') * up'
+    dh_A2F = [d_act * up' * silu'(gate'), d_act * silu(gate')]
+    dw2_EDF = Q_tok(dy)^T Q_tok(act')                                     (wgrad, over each expert's tokens)
+    dx_AD = Q_2F(dh) @ Q_2F(w13)                                          (dgrad)
+    dw13_E2FD = Q_tok(dh)^T dequantize(saved x codes)                     (wgrad)
+    dx_TD = sum over each token's k rows of dx_AD                         (deterministic, no atomics)
+
+Saved activations: x as FP8 + E8M0 along tokens (D * Ap bytes + 1/32 of that) and h as
+FP8 + E8M0 along F (2F bytes per row + 1/32), against the bf16 layer's x, h and act
+(2D + 6F bytes per row). Following DeepSeek-V3 (arXiv 2412.19437, section 3.3: SwiGLU
+inputs cached in FP8, the output recomputed in the backward), the backward of SwiGLU and
+the weight gradient of w2 use the dequantized saved h: this differs from the composed
+path (:class:`~mxmoe.moe.SwiGLUExperts` without fusion) only in the backward, by the MXFP8
+rounding of h.
+
+Every step has a pure-torch reference (CPU and any device) and a Triton path (CUDA, or
+TRITON_INTERPRET=1) selected by the recipe's backend; the element and scale rules are
+identical (docs/NUMERICS.md), the SwiGLU float32 math agrees to a few ulps of exp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..numerics.formats import ElemFormat
+from ..numerics.grouped import torch_quantize_grouped_dim0
+from ..numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx, use_triton
+from ..recipe import Recipe
+from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
+from .quantize import fake_quantize, fake_quantize_grouped_tokens
+
+BLOCK = 32
+GEMM_DTYPE = torch.bfloat16  # operand dtype of the grouped GEMMs (exact for MXFP8 values)
+
+
+def _triton(recipe: Recipe, t: Tensor) -> bool:
+    return use_triton(t.device, t.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size, recipe.backend)
+
+
+def gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, recipe: Recipe) -> Tensor:
+    """(A, D) bf16: x[src[a]] quantized to MXFP8 along D and dequantized (the forward
+    GEMM operand), the gather fused into the quantizer's read on the Triton path."""
+    if _triton(recipe, x_TD):
+        from ..kernels.moe import triton_gather_fake_quantize_rows
+
+        return triton_gather_fake_quantize_rows(x_TD, src_A, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
+    return fake_quantize(x_TD.index_select(0, src_A), recipe, dim=1, out_dtype=GEMM_DTYPE)
+
+
+def quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """x[src] quantized along tokens, each expert's tokens in their own blocks: codes
+    (D, Ap), E8M0 scales (D, Ap / 32), padded offsets (E,) int32."""
+    if _triton(recipe, x_TD):
+        from ..kernels.moe import triton_quantize_grouped_gather
+
+        return triton_quantize_grouped_gather(x_TD, src_A, offsets_E, recipe.fmt, recipe.scale_mode)
+    return torch_quantize_grouped_dim0(x_TD.index_select(0, src_A), offsets_E, recipe.fmt, recipe.scale_mode)
+
+
+def _silu_f32(g: Tensor) -> Tensor:
+    return g * (1.0 / (1.0 + torch.exp(-g)))
+
+
+def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tensor]:
+    """act = silu(gate) * up in float32, quantized to MXFP8 along F and dequantized to bf16
+    (A, F); h's codes (A, 2F) and E8M0 scales (A, 2F / 32), blocks along F."""
+    if _triton(recipe, h_A2F):
+        from ..kernels.moe import triton_swiglu_quantize
+
+        return triton_swiglu_quantize(h_A2F, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
+    A, F2 = h_A2F.shape
+    F = F2 // 2
+    mx = quantize_mx(h_A2F.reshape(A, 2, F), recipe.fmt, block_size=BLOCK, dim=2, scale_mode=recipe.scale_mode,
+                     backend="reference")
+    g, u = h_A2F.float().chunk(2, dim=1)
+    act = fake_quantize(_silu_f32(g) * u, recipe, dim=1, out_dtype=GEMM_DTYPE)
+    return act, mx.qdata.reshape(A, F2), mx.scale.reshape(A, F2 // BLOCK)
+
+
+def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor]:
+    """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
+    recomputed act (A, F), both bf16, float32 math on the dequantized gate and up."""
+    if _triton(recipe, dact_AF):
+        from ..kernels.moe import triton_swiglu_backward
+
+        return triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE)
+    A, F = dact_AF.shape
+    mx = MXTensor(qdata=hq.reshape(A, 2, F), scale=hs.reshape(A, 2, F // BLOCK), fmt=ElemFormat.parse(recipe.fmt),
+                  block_size=BLOCK, dim=2, scale_mode=recipe.scale_mode, orig_size=F)
+    h = dequantize_mx(mx, torch.float32, backend="reference")
+    g, u = h[:, 0], h[:, 1]
+    s = 1.0 / (1.0 + torch.exp(-g))
+    silu = g * s
+    da = dact_AF.float()
+    dg = da * u * (s * (1.0 + g * (1.0 - s)))
+    du = da * silu
+    return torch.cat([dg, du], dim=1).to(GEMM_DTYPE), (silu * u).to(GEMM_DTYPE)
+
+
+def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
+    """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap)."""
+    C, Ap = q.shape
+    mx = MXTensor(qdata=q, scale=s, fmt=ElemFormat.parse(recipe.fmt), block_size=BLOCK, dim=1,
+                  scale_mode=recipe.scale_mode, orig_size=Ap)
+    backend = "triton" if _triton(recipe, torch.empty(0, device=q.device, dtype=torch.bfloat16)) else "reference"
+    return dequantize_mx(mx, GEMM_DTYPE, backend=backend)
+
+
+class _MXExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor,
+                recipe: Recipe) -> Tensor:
+        xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
+        xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
+        w13q = fake_quantize(w13_E2FD, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along D
+        h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E)  # (A, D) x (E, 2F, D) -> (A, 2F)
+        del xq_AD, w13q
+        act_AF, hq, hs = swiglu_quantize(h_A2F, recipe)
+        del h_A2F
+        w2q = fake_quantize(w2_EDF, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along F
+        y_AD = grouped_mm_nt(act_AF, w2q, offsets_E)  # (A, F) x (E, D, F) -> (A, D)
+        ctx.save_for_backward(w13_E2FD, w2_EDF, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs)
+        ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
+        return y_AD.to(x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_AD: Tensor):
+        w13, w2, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs = ctx.saved_tensors
+        recipe: Recipe = ctx.recipe
+        dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
+        # w2: dgrad along D, wgrad along tokens
+        dyq = fake_quantize(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
+        w2q = fake_quantize(w2, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, D, F) along D
+        dact_AF = grouped_mm_nn(dyq, w2q, offsets_E)  # (A, D) x (E, D, F) -> (A, F)
+        del dyq, w2q
+        dh_A2F, act_AF = swiglu_backward(hq, hs, dact_AF, recipe)
+        del dact_AF
+        dy_t, po = fake_quantize_grouped_tokens(dy_AD, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (D, Ap)
+        act_t, _ = fake_quantize_grouped_tokens(act_AF, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (F, Ap)
+        dw2 = grouped_mm_tn(dy_t, act_t, po)  # (E, D, F)
+        del dy_t, act_t, act_AF
+        # w13: dgrad along 2F, wgrad along tokens
+        dhq = fake_quantize(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
+        w13q = fake_quantize(w13, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, 2F, D) along 2F
+        dx_AD = grouped_mm_nn(dhq, w13q, offsets_E)  # (A, 2F) x (E, 2F, D) -> (A, D)
+        del dhq, w13q
+        dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
+        x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
+        dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets)  # (E, 2F, D)
+        del dh_t, x_t
+        # un-permute: each token's k rows summed in a fixed order
+        A, D = dx_AD.shape
+        T = ctx.T
+        k = A // T if T else 1
+        order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
+        dx_TD = dx_AD.index_select(0, order).view(T, k, D).float().sum(dim=1).to(ctx.x_dtype)
+        return dx_TD, dw13.to(w13.dtype), dw2.to(w2.dtype), None, None, None
+
+
+def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
+    """The fused op needs a quantizing FP8 recipe with 32-blocks and D, F multiples of 32."""
+    return (recipe.quantize and not recipe.wgrad_high_precision and recipe.block_size == BLOCK
+            and recipe.fmt in ("e4m3", "e5m2") and d_model % BLOCK == 0 and d_expert % BLOCK == 0)
+
+
+def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
+                   recipe: Recipe) -> Tensor:
+    """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
+
+    Args:
+        x_TD: (T, D) float32/bfloat16 token activations (not permuted).
+        src_A: (A,) int64, the token of each routed row, rows sorted by expert; every token
+            appears exactly k = A / T times.
+        offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A.
+        w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F).
+        recipe: a recipe for which :func:`supports_fused_experts` holds.
+
+    Returns:
+        (A, D) in x's dtype: expert outputs of the sorted rows.
+
+    Raises:
+        ValueError: unsupported recipe or shapes.
+    """
+    E, F2, D = w13_E2FD.shape
+    if not supports_fused_experts(D, F2 // 2, recipe):
+        raise ValueError(f"the fused MXFP8 expert op needs an FP8 recipe with block 32, no high-precision wgrad, "
+                         f"and D, F multiples of 32; got recipe {recipe.name!r}, D={D}, F={F2 // 2}")
+    if x_TD.shape[0] and src_A.numel() % x_TD.shape[0]:
+        raise ValueError(f"src_A has {src_A.numel()} rows, not a multiple of T={x_TD.shape[0]}")
+    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
