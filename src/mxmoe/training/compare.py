@@ -58,9 +58,9 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 # Settings in which runs of one comparison may differ besides the recipe (a reused run may
 # have been written somewhere else, on another device name, with another quantizer
-# backend, which gives the same bits, or with other checkpoint intervals). --steps may be
-# larger than a reused unfinished or finished run's: it is resumed and extended.
-REUSE_MAY_DIFFER = ("recipe", "out_dir", "device", "progress", "quant_backend", "ckpt_interval", "steps")
+# backend, which gives the same bits, or with other checkpoint intervals). Not --steps: a
+# run extended to more steps has another learning-rate schedule than a run of that length.
+REUSE_MAY_DIFFER = ("recipe", "out_dir", "device", "progress", "quant_backend", "ckpt_interval")
 
 
 def parse_recipes(text: str) -> tuple[str, ...]:
@@ -134,11 +134,12 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
     """Decide, per recipe, whether to train, resume or reuse (see :class:`Plan`).
 
     Without ``reuse`` every recipe trains anew. With ``reuse``, a recipe directory that
-    holds a run (config.json) must have the same settings except :data:`REUSE_MAY_DIFFER`.
+    holds a run (config.json) must have the same settings except :data:`REUSE_MAY_DIFFER`;
+    it is reused if it finished (result.json), resumed if it has a checkpoint, else
+    trained anew.
 
     Raises:
-        ValueError: with ``reuse``, a run in OUT whose settings differ, or that has more
-            steps than asked for.
+        ValueError: with ``reuse``, a run in OUT whose settings differ.
     """
     plans = []
     for recipe in recipes:
@@ -154,9 +155,6 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
             raise ValueError(f"--reuse: the run in {str(run_dir)!r} has other settings than asked for: "
                              + ", ".join(f"{k}={saved.get(k)!r} (asked {rcfg.to_dict().get(k)!r})" for k in diff)
                              + "; give the same flags, or another --out-dir")
-        if saved["steps"] > rcfg.steps:
-            raise ValueError(f"--reuse: the run in {str(run_dir)!r} has --steps {saved['steps']}, more than the "
-                             f"{rcfg.steps} asked for; give --steps {saved['steps']}")
         result = _read_json(run_dir / RESULT_NAME)
         if result is not None and result["train"]["steps"] == rcfg.steps:
             plans.append(Plan(recipe, rcfg, "reuse"))

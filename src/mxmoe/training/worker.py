@@ -5,8 +5,8 @@
 CONFIG_JSON is a :meth:`TrainConfig.to_dict` as JSON text. The run trains as ``mxmoe
 train`` would, into ``out_dir``; when it has finished, ``out_dir/result.json`` records the
 settings, the device's name, what its memory figures measure and the versions. A
-result.json from an earlier run in the same directory is removed first, so its presence
-means the run in ``out_dir`` finished. Exit status: 0 done, 1 non-finite loss, 2 refused
+result.json from an earlier run in the same directory is removed first (and, unless
+resuming, its checkpoint.pt), so its presence means the run in ``out_dir`` finished. Exit status: 0 done, 1 non-finite loss, 2 refused
 (bad settings, missing data), 130 interrupted.
 """
 
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(cfg.device)
         (out / RESULT_NAME).unlink(missing_ok=True)
+        if not args.resume:  # a new run: no checkpoint of an older one may be resumed into it later
+            (out / CHECKPOINT_NAME).unlink(missing_ok=True)
         corpus = load_corpus(cfg.data)
         rss_before = current_rss_gib() if device.type == "cpu" else None
         step = checkpoint_step(out) if args.resume else None
