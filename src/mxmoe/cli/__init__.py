@@ -1,6 +1,10 @@
 """The ``mxmoe`` command line.
 
     mxmoe train [flags]     train the MoE LM under a precision recipe (CPU or GPU)
+    mxmoe compare [flags]   train the same model under several recipes; report.md, loss.png
+    mxmoe report OUT        rebuild a comparison's report.md and loss.png from its metrics
+    mxmoe export CKPT OUT   write a checkpoint's weights as MXFP8 (or bf16) safetensors
+    mxmoe eval SOURCE       validation loss of a checkpoint or an exported safetensors file
 
 Every flag has a help text (``mxmoe train --help``). Bad flags stop with a message that
 names the value and what would work, before any model is built or any file is written
@@ -16,6 +20,7 @@ from ..model import QUANTIZABLE, ModelConfig
 from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES
 from ..training import TrainConfig, load_corpus, train
+from .presets import add_preset_argument, apply_preset, explicit_dests
 
 
 def _csv_choices(choices):
@@ -29,12 +34,15 @@ def _csv_choices(choices):
     return parse
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``mxmoe train`` (shared with commands that train)."""
+def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    """The flags of ``mxmoe train`` (shared with commands that train). ``compare``: leave
+    out ``--recipe`` and ``--resume`` (``mxmoe compare`` has ``--recipes`` and ``--reuse``)."""
     d, m = TrainConfig(), ModelConfig()
+    add_preset_argument(p)
     g = p.add_argument_group("recipe")
-    g.add_argument("--recipe", default=d.recipe, choices=list(RECIPES),
-                   help="precision recipe of the GEMMs (default: %(default)s)")
+    if not compare:
+        g.add_argument("--recipe", default=d.recipe, choices=list(RECIPES),
+                       help="precision recipe of the GEMMs (default: %(default)s)")
     g.add_argument("--quantize", type=_csv_choices(QUANTIZABLE), default=m.quantized,
                    help="comma-separated GEMMs that follow the recipe; the rest stay in high precision "
                         f"(default: {','.join(m.quantized)}; choices: {','.join(QUANTIZABLE)})")
@@ -92,7 +100,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every n steps, 0 for only at the end (default: %(default)s)")
     g.add_argument("--out-dir", default=d.out_dir,
                    help="output directory: config.json, metrics.jsonl, checkpoint.pt (default: %(default)s)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    if not compare:
+        g.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
@@ -139,12 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train an MoE language model under a precision recipe.")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+    from .compare import add_compare_commands
+    from .export import add_export_commands
+
+    add_compare_commands(sub)
+    add_export_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "preset", None):
+        argv = sys.argv[1:] if argv is None else argv
+        overridden = apply_preset(args, explicit_dests(build_parser(), argv))
+        print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -56,8 +56,12 @@ def atomic_write_bytes(path: Path, write) -> None:
 
 
 def save_checkpoint(out_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically."""
+    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically. Temp
+    files of earlier writes that were killed (SIGKILL leaves them; a checkpoint can be
+    gigabytes) are removed first: one run writes to a directory at a time."""
     path = Path(out_dir) / CHECKPOINT_NAME
+    for stale in Path(out_dir).glob(f".{CHECKPOINT_NAME}.*.tmp"):
+        stale.unlink(missing_ok=True)
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     return path
 
