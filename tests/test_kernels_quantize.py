@@ -281,7 +281,7 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t, t4):
     monkeypatch.setitem(kq.TUNING, "pack_t", pack_t)
     monkeypatch.setitem(kq.TUNING, "rows_flat", not pack_t)
     monkeypatch.setitem(kq.TUNING, "t4", {**kq.TUNING["t4"], "enabled": t4})
-    monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4})
+    monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4, "codes": t4})
     x = hard(96, 160, seed=sum(tile), dtype=torch.bfloat16)
     q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
     q1, s1 = kq.quantize_rowwise(x, "e5m2", "floor", blocked=True)

@@ -54,7 +54,12 @@ TUNING = {
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
     # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
     "t4": {"tile": (64, 64), "num_warps": 4, "enabled": True},
-    "grouped_t4": {"block_c": 128, "num_warps": 4, "enabled": True},
+    # the quarter-read grouped kernel: faster for dequantized output (57-84% of copy against
+    # 46%), slower for codes (42% against 64%), and wrong on the H200 for float32 input at
+    # (13919, 2880) with 27 experts (benchmarks/check_kernels_cuda.py, commit e8943cb; not
+    # reproduced under the interpreter): used for bfloat16 input with dequantized output,
+    # and for the fused gather of the MoE op (bfloat16, checked on the H200)
+    "grouped_t4": {"block_c": 512, "num_warps": 8, "enabled": True, "codes": False},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
 _TILE_INTERPRETER = (64, 256)
@@ -346,7 +351,10 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
         cfg = _launch_settings("grouped_t4")
-        if cfg["enabled"] or src is not None:
+        t4_ok = cfg["enabled"] and x.dtype == torch.bfloat16 and (dq_dtype is not None or TUNING["grouped_t4"]["codes"])
+        if src is not None and x.dtype != torch.bfloat16:  # gather first, then the byte kernel
+            x, src, T = x.index_select(0, src.to(torch.int64)), None, src.numel()
+        if t4_ok or src is not None:
             block_c = cfg["block_c"]
             tk._mx_grouped_col_t4_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
                 x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
