@@ -351,10 +351,11 @@ def test_requantizing_mx_values_gives_them_back(mode):
 @pytest.mark.parametrize("d_model", [40, 64])
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-floor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_wire_format_equals_single_process_rounding(d_model, recipe, dtype):
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the GPU kernels, interpreted here
+def test_wire_format_equals_single_process_rounding(d_model, recipe, dtype, backend):
     """Rows packed (codes + scales), moved as bytes, unpacked: bit-equal to the rounding the
     single-process ``mx_dispatch`` option applies; the bytes per row are D_pad + D_pad / 32."""
-    rec = get_recipe(recipe)
+    rec = get_recipe(recipe, backend=backend)
     x = (torch.randn(53, d_model) * torch.logspace(-3, 3, 53).unsqueeze(1)).to(dtype)
     x[5] = 0.0
     buf = pack_mx_rows(x, rec)

@@ -93,6 +93,38 @@ def evaluate_expert_parallel(model: MoETransformer, batches, env: DistEnv) -> fl
     return per_batch.mean().item()
 
 
+def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
+               cfg: TrainConfig, replicated: list, sharded: list, tokens_global: int, grad_sync=all_reduce_grads):
+    """One optimizer step on every rank: forward on this rank's sequences, backward of its
+    loss share, replicated gradients summed (``grad_sync``), global-norm clipping, AdamW.
+
+    Args:
+        x, y: int64 (B / P, S) this rank's inputs and targets, on the model's device.
+        lr: learning rate of this step. replicated, sharded: :func:`~.sync.split_parameters`.
+        tokens_global: B * S. grad_sync: the replicated-gradient reduction (a timed wrapper
+            in benchmarks).
+
+    Returns:
+        ``(lm_output, reported, grad_norm)``: the model output of this rank, float32 (3,)
+        global (cross entropy, aux loss, z loss) summed over the ranks (not yet read on the
+        host), the global gradient norm before clipping.
+    """
+    for g in opt.param_groups:
+        g["lr"] = lr
+    out_lm = model(x)
+    loss, ce = loss_share(out_lm.logits, y, out_lm.aux_loss, out_lm.z_loss, tokens_global,
+                          cfg.model.aux_loss_coef, cfg.model.z_loss_coef)
+    loss.backward()
+    grad_sync(replicated)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = clip_grad_norm_(replicated, sharded, max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    reported = torch.stack([ce.detach(), out_lm.aux_loss.detach(), out_lm.z_loss.detach()])
+    dist.all_reduce(reported)  # sums of the shares: the global batch's values
+    return out_lm, reported, grad_norm
+
+
 def train_expert_parallel(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
     """:func:`mxmoe.training.train` over ``cfg.expert_parallel`` ranks (see the module
     docstring). Call it on every rank of a torchrun launch (or with a default process
@@ -196,19 +228,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, env: DistEnv) 
         x = rank_slice(x, env.rank, P).to(device, non_blocking=True)
         y = rank_slice(y, env.rank, P).to(device, non_blocking=True)
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        out_lm = model(x)
-        loss, ce = loss_share(out_lm.logits, y, out_lm.aux_loss, out_lm.z_loss, tokens_per_step,
-                              cfg.model.aux_loss_coef, cfg.model.z_loss_coef)
-        loss.backward()
-        all_reduce_grads(replicated)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm_(replicated, sharded, max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        reported = torch.stack([ce.detach(), out_lm.aux_loss.detach(), out_lm.z_loss.detach()])
-        dist.all_reduce(reported)  # sums of the shares: the global batch's values
+        out_lm, reported, grad_norm = train_step(model, opt, x, y, lr, cfg, replicated, sharded, tokens_per_step)
         loss_v, aux_v, z_v = reported.tolist()  # synchronizes: the step is done
         dt = time.perf_counter() - t0
         counts = torch.stack(out_lm.tokens_per_expert).float() if out_lm.tokens_per_expert else None
