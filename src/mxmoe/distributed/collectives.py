@@ -10,9 +10,10 @@ routing).
 :class:`AllToAllRows` is its ``autograd.Function``: the backward is the reverse
 all-to-all (send and receive splits swapped), a permutation of rows between ranks, so
 the gradient is exact and deterministic. (``torch.distributed.nn.functional.all_to_all_single``
-does the same with gloo on torch 2.13, but is deprecated there in favour of functional
-collectives whose autograd story differs between 2.11 and 2.13; this one is 20 lines and
-behaves the same on both.)
+does the same with gloo on torch 2.13, but warns there that it is deprecated in favour of
+the private ``torch.distributed._functional_collectives``; this one is a few lines, takes
+any dtype the backend carries (uint8 for the MXFP8 wire format) and can record bytes
+and time.)
 
 Collective calls must be made by every rank of the group in the same order; every call
 here is, forward and backward (the backward order follows the graph, identical on every
