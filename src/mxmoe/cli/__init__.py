@@ -6,6 +6,8 @@
     mxmoe export CKPT OUT   write a checkpoint's weights as MXFP8 (or bf16) safetensors
     mxmoe eval SOURCE       validation loss of a checkpoint or an exported safetensors file
 
+Expert parallel: ``torchrun --nproc-per-node P -m mxmoe train --expert-parallel P ...``.
+
 Every flag has a help text (``mxmoe train --help``). Bad flags stop with a message that
 names the value and what would work, before any model is built or any file is written
 (the corpus is read first: its vocabulary and length are part of the checks).
@@ -19,6 +21,7 @@ import sys
 from ..model import QUANTIZABLE, ModelConfig
 from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES
+from ..distributed.launch import is_main_process
 from ..training import TrainConfig, load_corpus, train
 from .presets import add_preset_argument, apply_preset, explicit_dests
 
@@ -105,6 +108,14 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
+    g = p.add_argument_group("parallel (run under torchrun --nproc-per-node P)")
+    g.add_argument("--expert-parallel", type=int, default=d.expert_parallel, metavar="P",
+                   help="spread the experts over P ranks, one process each; --batch-size is the global batch "
+                        "(default: %(default)s)")
+    g.add_argument("--mx-dispatch", action="store_true",
+                   help="send the dispatched rows as MXFP8 (E4M3 codes + E8M0 scales, about half the bytes of "
+                        "bf16); without --expert-parallel, the same rounding in one process")
+
 
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     """Build and validate a TrainConfig from parsed flags.
@@ -118,6 +129,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,
         d_ff_dense=args.dense_width, shared_expert=args.shared_expert, max_seq_len=args.seq_len,
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, quantized=args.quantize, dtype=args.dtype,
+        mx_dispatch=args.mx_dispatch,
     )
     cfg = TrainConfig(
         recipe=args.recipe, quant_backend=args.quant_backend, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -125,7 +137,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
-        progress=not args.no_progress and sys.stderr.isatty(), model=model,
+        progress=not args.no_progress and sys.stderr.isatty(), expert_parallel=args.expert_parallel, model=model,
     )
     cfg.validate()
     return cfg
@@ -135,6 +147,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
     r = train(cfg, resume=args.resume, corpus=corpus)
+    if not is_main_process():  # under torchrun only rank 0 reports
+        return 0
     print(f"done: {r.steps} steps in {r.wall_s:.1f} s | train loss {r.first_loss:.4f} -> {r.last_loss:.4f} "
           f"| val loss {r.first_val_loss:.4f} -> {r.last_val_loss:.4f} | {r.tokens_per_s:,.0f} tok/s "
           f"| {r.ms_per_step:.0f} ms/step | peak {r.peak_mem_gib:.2f} GiB | {r.out_dir}")

@@ -46,6 +46,9 @@ class ModelConfig:
         quantized: which GEMMs follow the recipe (subset of
             "experts", "attention", "dense", "lm_head").
         dtype: activation dtype name ("bfloat16", "float32", "float16").
+        mx_dispatch: round the MoE expert inputs to MXFP8 along D before the experts
+            (what the expert-parallel MXFP8 dispatch sends; see :class:`~mxmoe.moe.MoELayer`).
+            Needs "experts" in ``quantized`` and a quantizing recipe.
     """
 
     vocab_size: int = 256
@@ -65,6 +68,7 @@ class ModelConfig:
     z_loss_coef: float = 0.001
     quantized: tuple[str, ...] = field(default=("experts", "attention", "dense"))
     dtype: str = "bfloat16"
+    mx_dispatch: bool = False
 
     def __post_init__(self):
         self.quantized = tuple(self.quantized)
@@ -99,6 +103,10 @@ class ModelConfig:
             raise ValueError(f"quantized has unknown entries {sorted(bad)}; choose from {QUANTIZABLE}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if not isinstance(self.mx_dispatch, bool):
+            raise ValueError(f"mx_dispatch must be True or False, got {self.mx_dispatch!r}")
+        if self.mx_dispatch and "experts" not in self.quantized:
+            raise ValueError("mx_dispatch rounds the expert inputs to MXFP8: it needs 'experts' in quantized")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -189,7 +197,8 @@ class Block(nn.Module):
         dense_recipe = recipe if "dense" in cfg.quantized else get_recipe("bf16")
         if self.is_moe:
             self.ffn = MoELayer(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.d_expert, cfg.n_layers,
-                                expert_recipe, shared_expert_hidden=cfg.shared_expert)
+                                expert_recipe, shared_expert_hidden=cfg.shared_expert,
+                                mx_dispatch=cfg.mx_dispatch)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff_dense, cfg.n_layers)
             self.dense_recipe = dense_recipe

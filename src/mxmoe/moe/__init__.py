@@ -8,6 +8,7 @@ from .layer import (
     SwiGLUExperts,
     TopKRouter,
     load_balancing_loss,
+    mx_round_rows,
     router_z_loss,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "SwiGLUExperts",
     "TopKRouter",
     "load_balancing_loss",
+    "mx_round_rows",
     "router_z_loss",
 ]

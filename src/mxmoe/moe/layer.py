@@ -12,6 +12,11 @@ Data flow (dropless: every token reaches its k experts, no capacity factor):
 
 Every gather and scatter here has a deterministic backward: the assignment order is a
 permutation, so no two rows land on one destination.
+
+``mx_dispatch=True`` rounds the expert input rows to MXFP8 along D (the recipe's format,
+scale rule and block size) before the experts, with a straight-through gradient: the
+single-process twin of the expert-parallel layer's MXFP8 dispatch
+(:mod:`mxmoe.distributed.ep`), which sends exactly these rows as E4M3 codes + E8M0 scales.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import Tensor, nn
 from ..ops import mx_grouped_mm, mx_linear
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..ops.sm100 import use_native_mx_grouped_mm
+from ..ops.quantize import fake_quantize
 from ..recipe import Recipe
 
 
@@ -113,6 +119,41 @@ def router_z_loss(logits_TE: Tensor) -> Tensor:
     return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
 
 
+class _MXRoundRows(torch.autograd.Function):
+    """Forward: quantize-dequantize rows along D; backward: the identity (straight through)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, recipe: Recipe) -> Tensor:
+        return fake_quantize(x_TD, recipe, dim=1, out_dtype=x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, dx_TD: Tensor):
+        return dx_TD, None
+
+
+def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
+    """Round each row of ``x_TD`` to the recipe's MX format along D, straight-through gradient.
+
+    This is what the expert GEMMs see under MXFP8 dispatch: the values of
+    ``quantize_mx(x_TD, recipe.fmt, dim=1, scale_mode=recipe.scale_mode, pad=True)``
+    dequantized to ``x_TD.dtype`` (bit-equal, docs/NUMERICS.md), with dL/dx passed through
+    unchanged (the backward all-to-all of the dispatch carries gradients in the activation
+    dtype).
+
+    Args:
+        x_TD: (T, D) float32/bfloat16/float16. recipe: a quantizing recipe.
+
+    Returns:
+        (T, D) in x_TD's dtype.
+
+    Raises:
+        ValueError: ``recipe.quantize`` is False (there is no MX format to round to).
+    """
+    if not recipe.quantize:
+        raise ValueError(f"MXFP8 dispatch needs a quantizing expert recipe, got {recipe.name!r}")
+    return _MXRoundRows.apply(x_TD, recipe)
+
+
 class SwiGLUExperts(nn.Module):
     """E SwiGLU experts held as 3-D weights: w13 (E, 2F, D) = [gate; up], w2 (E, D, F).
 
@@ -179,16 +220,29 @@ class MoELayer(nn.Module):
             fused op :func:`~mxmoe.ops.moe_experts.mx_moe_experts` (gather fused with
             quantization, FP8 activations saved for the backward); False composes two
             :func:`~mxmoe.ops.mx_grouped_mm` calls and a bf16 SwiGLU.
+        mx_dispatch: round the expert input rows to MXFP8 along D first (straight-through
+            gradient, :func:`mx_round_rows`): the single-process equivalent of the expert-
+            parallel MXFP8 dispatch. The forward GEMMs see the same values either way
+            (re-quantizing MX values along the same blocks gives them back); the weight-
+            gradient GEMM then blocks the rounded rows along tokens, not the original ones.
+
+    Raises:
+        ValueError: ``mx_dispatch`` with a recipe that does not quantize.
 
     Forward: ``x`` (..., D) in the activation dtype -> (y (..., D), :class:`MoEAux`).
     After each forward, ``last_tokens_per_expert`` holds the (E,) token counts.
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, d_expert: int, n_layers: int,
-                 recipe: Recipe, shared_expert_hidden: int = 0, fused: bool = True):
+                 recipe: Recipe, shared_expert_hidden: int = 0, fused: bool = True,
+                 mx_dispatch: bool = False):
         super().__init__()
+        if mx_dispatch and not recipe.quantize:
+            raise ValueError(f"mx_dispatch needs a quantizing expert recipe (mxfp8, ...), got {recipe.name!r}: "
+                             f"under {recipe.name!r} the expert GEMMs read unrounded rows")
         self.n_experts, self.top_k, self.recipe = n_experts, top_k, recipe
         self.fused = fused and supports_fused_experts(d_model, d_expert, recipe)
+        self.mx_dispatch = mx_dispatch
         self.router = TopKRouter(d_model, n_experts, top_k)
         self.experts = SwiGLUExperts(n_experts, d_model, d_expert, n_layers)
         self.shared = SwiGLU(d_model, shared_expert_hidden, n_layers) if shared_expert_hidden > 0 else None
@@ -205,13 +259,14 @@ class MoELayer(nn.Module):
         order_A = torch.argsort(experts_A, stable=True)
         counts_E = torch.bincount(experts_A, minlength=self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+        x_in_TD = mx_round_rows(x_TD, self.recipe) if self.mx_dispatch else x_TD
         # sm100 runs MXFP8 natively through mx_grouped_mm; the fused op targets sm90 and the CPU
         if self.fused and not use_native_mx_grouped_mm(x_TD.device, self.recipe):
             # the gather happens inside the op, fused with quantization
-            y_sorted_AD = mx_moe_experts(x_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
+            y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
                                          self.recipe)
         else:
-            x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
+            x_AD = x_in_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
             x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
             y_sorted_AD = self.experts(x_sorted_AD, offsets_E, self.recipe)
         # combine: undo the permutation, weight each choice, sum over k

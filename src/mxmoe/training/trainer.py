@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -56,6 +57,9 @@ class TrainConfig:
         data: corpus path (None: the Python standard library).
         device: "auto" (cuda if available), "cpu", "cuda" or "cuda:N".
         progress: show a progress bar.
+        expert_parallel: P > 1 spreads the experts over P ranks (run under torchrun, one
+            process per rank; :mod:`mxmoe.distributed`); each rank takes batch_size / P
+            sequences of every batch.
         model: the model shape.
     """
 
@@ -79,6 +83,7 @@ class TrainConfig:
     data: str | None = None
     device: str = "auto"
     progress: bool = True
+    expert_parallel: int = 1
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> None:
@@ -106,6 +111,17 @@ class TrainConfig:
         if self.seq_len > self.model.max_seq_len:
             _bad(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
         self.model.validate()
+        if isinstance(self.expert_parallel, bool) or not isinstance(self.expert_parallel, int) \
+                or self.expert_parallel < 1:
+            _bad(f"expert_parallel must be a positive integer, got {self.expert_parallel!r}")
+        if self.model.n_experts % self.expert_parallel:
+            _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
+                 f"ranks; use a number of experts divisible by {self.expert_parallel}")
+        if self.batch_size % self.expert_parallel:
+            _bad(f"--batch-size {self.batch_size} does not split over --expert-parallel {self.expert_parallel} "
+                 f"ranks; use a multiple of {self.expert_parallel} (the global batch)")
+        if self.model.mx_dispatch and not RECIPES[self.recipe].quantize:
+            _bad(f"--mx-dispatch rounds expert inputs to MXFP8; recipe {self.recipe!r} does not quantize")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -220,8 +236,18 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     Raises:
         ValueError: a bad setting; a checkpoint whose configuration differs.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
+
+    With ``cfg.expert_parallel > 1`` this is
+    :func:`mxmoe.distributed.train.train_expert_parallel` (under torchrun).
     """
     cfg.validate()
+    if cfg.expert_parallel > 1:
+        from ..distributed.train import train_expert_parallel
+
+        return train_expert_parallel(cfg, resume=resume, corpus=corpus)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but --expert-parallel 1; pass "
+                         f"--expert-parallel {os.environ['WORLD_SIZE']} (data parallelism is not implemented)")
     device = resolve_device(cfg.device)
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():

@@ -1,0 +1,266 @@
+"""Expert parallelism on two GPUs: tokens/s per GPU against one GPU, and the all-to-all
+bytes and time per step with and without MXFP8 dispatch.
+
+    PYTHONPATH=src COMMIT=$(git rev-parse --short HEAD) python3 benchmarks/expert_parallel.py --out-dir out/ep
+    PYTHONPATH=src python3 benchmarks/expert_parallel.py --smoke --out-dir /tmp/ep_smoke   # CPU, gloo, tiny
+
+The driver (this script without --worker) runs, per preset, three training runs of the
+same model and recipe (one process each, or torchrun with --nproc-per-node 2):
+
+- ``1 GPU``: the single-process model, ``--batch-size`` sequences per step;
+- ``EP 2``: expert parallel over 2 ranks (E / 2 experts each), global batch 2 x
+  ``--batch-size`` (the same sequences per GPU: per-GPU throughput is comparable);
+- ``EP 2 + MXFP8 dispatch``: the same, the dispatched rows sent as E4M3 codes + E8M0 scales.
+
+Each run does ``--warmup`` steps, then ``--steps`` timed steps (wall time between two
+host synchronizations per step, median). In the expert-parallel runs every collective of
+the MoE layers is bracketed by CUDA events on the current stream (count all-gather,
+dispatch, combine, and their backward exchanges) and so is the replicated-gradient
+all-reduce; bytes are what each rank sends to the other rank. The table reports per step
+and per rank: tokens/s per GPU, ms/step, dispatch (forward) MB and ms, all all-to-all MB
+and ms, gradient all-reduce ms. The JSON (``expert_parallel.json`` in ``--out-dir``) holds
+every number, the GPU name, torch version and the commit (from $COMMIT: .git may not
+travel with the tree).
+
+Presets (model shapes; --recipe mxfp8 by default):
+- ``default``: ``mxmoe train``'s defaults (4 layers, width 256, 8 experts of width 128,
+  top-2, 16 x 256 tokens per GPU): the run of the README's H200 rows, launch-bound.
+- ``large``: 4 layers, width 2048, 16 heads, 16 experts of width 1024, top-2, 8 x 1024
+  tokens per GPU: dispatch rows of 4 KiB (bf16) where the bytes matter.
+- ``smoke``: tiny, for --smoke on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "default": dict(layers=4, width=256, heads=4, experts=8, top_k=2, expert_width=128, seq_len=256, batch_size=16),
+    "large": dict(layers=4, width=2048, heads=16, experts=16, top_k=2, expert_width=1024, seq_len=1024, batch_size=8),
+    "smoke": dict(layers=2, width=64, heads=2, experts=4, top_k=2, expert_width=64, seq_len=32, batch_size=2),
+}
+RUNS = (("1 GPU", 1, False), ("EP 2", 2, False), ("EP 2 + MXFP8 dispatch", 2, True))
+A2A_KINDS = ("counts", "dispatch", "combine", "combine.grad", "dispatch.grad")
+MB = 1e6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- worker: one training run (one process, or one rank of torchrun) ------------------
+
+def worker(args: argparse.Namespace) -> None:
+    from mxmoe.distributed import CommStats, shard_experts
+    from mxmoe.distributed.launch import init_expert_parallel
+    from mxmoe.distributed.sync import all_reduce_grads, split_parameters
+    from mxmoe.distributed.train import rank_slice, train_step
+    from mxmoe.model import ModelConfig, MoETransformer
+    from mxmoe.recipe import get_recipe
+    from mxmoe.training.data import load_corpus, random_batch
+    from mxmoe.training.trainer import TrainConfig, make_optimizer, resolve_device
+
+    shape = PRESETS[args.preset]
+    P = args.ranks
+    model_cfg = ModelConfig(d_model=shape["width"], n_layers=shape["layers"], n_heads=shape["heads"],
+                            n_experts=shape["experts"], top_k=shape["top_k"], d_expert=shape["expert_width"],
+                            max_seq_len=shape["seq_len"], mx_dispatch=args.mx_dispatch)
+    cfg = TrainConfig(recipe=args.recipe, batch_size=shape["batch_size"] * P, seq_len=shape["seq_len"],
+                      steps=args.warmup + args.steps, warmup_steps=1, progress=False, device=args.device,
+                      expert_parallel=P, model=model_cfg)
+    cfg.validate()
+    if P > 1:
+        env = init_expert_parallel(P, args.device)
+        device, rank = env.device, env.rank
+    else:
+        device, rank = resolve_device(args.device), 0
+    corpus = load_corpus(args.data)
+    torch.manual_seed(0)
+    model = MoETransformer(model_cfg, get_recipe(args.recipe))
+    stats = CommStats()
+    if P > 1:
+        shard_experts(model, comm_stats=stats)
+    model = model.to(device)
+    opt = make_optimizer(model, cfg)
+    replicated, sharded = split_parameters(model)
+    tokens = cfg.batch_size * cfg.seq_len
+
+    def timed_all_reduce(params):
+        n = sum(p.numel() * p.element_size() for p in params)
+        with stats.record("grad_allreduce", n * (P - 1) // P * 2, n, device):  # ring: 2 (P-1)/P of the buffer
+            all_reduce_grads(params)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step_s, losses = [], []
+    for step in range(1, cfg.steps + 1):
+        if step == args.warmup + 1:
+            stats.reset()
+        gen = torch.Generator().manual_seed(step)
+        x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        x, y = rank_slice(x, rank, P).to(device), rank_slice(y, rank, P).to(device)
+        sync()
+        t0 = time.perf_counter()
+        if P > 1:
+            _, reported, _ = train_step(model, opt, x, y, 3e-3, cfg, replicated, sharded, tokens,
+                                        grad_sync=timed_all_reduce)
+            loss = reported[0].item()
+        else:
+            out = model(x, y)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            for g in opt.param_groups:
+                g["lr"] = 3e-3
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = out.ce_loss.item()
+        sync()
+        if step > args.warmup:
+            step_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+    comm = {k: {kk: vv / args.steps for kk, vv in v.items()} for k, v in stats.summary().items()}
+    med = statistics.median(step_s)
+    result = {
+        "rank": rank, "ranks": P, "mx_dispatch": args.mx_dispatch, "preset": args.preset, "shape": shape,
+        "recipe": args.recipe, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "ms_per_step_median": med * 1e3, "ms_per_step_mean": statistics.mean(step_s) * 1e3,
+        "tokens_per_step_global": tokens, "tokens_per_s_per_gpu": tokens / P / med,
+        "comm_per_step": comm, "loss_first": losses[0], "loss_last": losses[-1],
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.rank{rank}.json").write_text(json.dumps(result, indent=2))
+    if P > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- driver -----------------------------------------------------------------------------
+
+def run_one(args: argparse.Namespace, preset: str, label: str, P: int, mx: bool) -> dict:
+    tag = f"{preset}_{'single' if P == 1 else f'ep{P}'}{'_mx' if mx else ''}"
+    common = [str(Path(__file__).resolve()), "--worker", "--preset", preset, "--ranks", str(P), "--tag", tag,
+              "--out-dir", args.out_dir, "--recipe", args.recipe, "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--device", args.device] + (["--mx-dispatch"] if mx else []) \
+        + (["--data", args.data] if args.data else [])
+    if P == 1:
+        cmd = [sys.executable] + common
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port())] + common
+    print(f"# {label} ({preset}): {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True, capture_output=True,
+                          timeout=args.timeout)
+    log = Path(args.out_dir) / f"{tag}.log"
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"{label} ({preset}) failed with exit {proc.returncode}; log: {log}\n{proc.stderr[-3000:]}")
+    ranks = [json.loads((Path(args.out_dir) / f"{tag}.rank{r}.json").read_text()) for r in range(P)]
+    return {"label": label, "tag": tag, "wall_s": time.perf_counter() - t0, "ranks": ranks}
+
+
+def summarize(run: dict) -> dict:
+    """Per-step, per-rank figures (mean over the ranks; time: the slowest rank)."""
+    ranks = run["ranks"]
+    P = len(ranks)
+
+    def comm(kinds, field, agg):
+        vals = [sum(r["comm_per_step"].get(k, {}).get(field, 0.0) for k in kinds) for r in ranks]
+        return agg(vals)
+
+    return {
+        "label": run["label"], "ranks": P,
+        "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in ranks),
+        "ms_per_step": max(r["ms_per_step_median"] for r in ranks),
+        "dispatch_mb": comm(("dispatch",), "bytes_remote", statistics.mean) / MB,
+        "dispatch_ms": comm(("dispatch",), "ms", max),
+        "a2a_mb": comm(A2A_KINDS, "bytes_remote", statistics.mean) / MB,
+        "a2a_ms": comm(A2A_KINDS, "ms", max),
+        "allreduce_ms": comm(("grad_allreduce",), "ms", max),
+        "loss_first": ranks[0]["loss_first"], "loss_last": ranks[0]["loss_last"],
+    }
+
+
+def driver(args: argparse.Namespace) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    presets = ["smoke"] if args.smoke else args.presets.split(",")
+    report = {"torch": torch.__version__, "commit": os.environ.get("COMMIT", "unknown"), "recipe": args.recipe,
+              "steps": args.steps, "warmup": args.warmup, "presets": {}}
+    lines = []
+    for preset in presets:
+        rows = [summarize(run_one(args, preset, label, P, mx)) for label, P, mx in RUNS]
+        base = rows[0]["tokens_per_s_per_gpu"]
+        report["presets"][preset] = {"shape": PRESETS[preset], "rows": rows}
+        lines.append(f"\npreset {preset}: {PRESETS[preset]}")
+        lines.append("| run | tokens/s per GPU | x 1 GPU | ms/step | dispatch MB | dispatch ms | all-to-all MB "
+                     "| all-to-all ms | grad all-reduce ms | loss first -> last |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            ep = r["ranks"] > 1
+            cell = lambda v, f: (f % v) if ep else "-"  # noqa: E731
+            lines.append(f"| {r['label']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s_per_gpu'] / base:.2f} "
+                         f"| {r['ms_per_step']:.1f} | {cell(r['dispatch_mb'], '%.2f')} | {cell(r['dispatch_ms'], '%.2f')} "
+                         f"| {cell(r['a2a_mb'], '%.2f')} | {cell(r['a2a_ms'], '%.2f')} | {cell(r['allreduce_ms'], '%.2f')} "
+                         f"| {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
+        if rows[1]["dispatch_mb"]:
+            lines.append(f"MXFP8 dispatch sends {rows[2]['dispatch_mb'] / rows[1]['dispatch_mb']:.3f}x the bytes of "
+                         f"bf16 dispatch and takes {rows[2]['dispatch_ms'] / max(rows[1]['dispatch_ms'], 1e-9):.2f}x "
+                         f"its time (per step; forward dispatch only)")
+    report["device_name"] = json.loads((out / f"{presets[0]}_single.rank0.json").read_text())["device_name"]
+    header = (f"expert parallel | {report['device_name']} | torch {report['torch']} | commit {report['commit']} | "
+              f"recipe {args.recipe} | {args.steps} timed steps after {args.warmup} warm-up; per rank and step; "
+              f"MB = 1e6 bytes sent to the other rank; ms from CUDA events (CPU: wall clock)")
+    text = header + "\n" + "\n".join(lines)
+    print(text)
+    (out / "expert_parallel.txt").write_text(text + "\n")
+    (out / "expert_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out / 'expert_parallel.json'} and {out / 'expert_parallel.txt'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default="out/expert_parallel", help="where the JSON, table and logs go")
+    p.add_argument("--presets", default="default,large", help="comma-separated presets (default: %(default)s)")
+    p.add_argument("--recipe", default="mxfp8", help="precision recipe (MXFP8 dispatch needs a quantizing one)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA, else cpu), cuda or cpu")
+    p.add_argument("--data", default=None, help="corpus (default: the Python standard library, as mxmoe train)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run before it is killed")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 3 + 1 steps, CPU and gloo: checks the script")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--preset", default="default", help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="run", help=argparse.SUPPRESS)
+    p.add_argument("--mx-dispatch", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.steps, args.warmup = "cpu", 3, 1
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Expert parallelism on torch.distributed (torchrun; NCCL on GPUs, gloo on the CPU).
+
+- :mod:`.ep`: :class:`ExpertParallelMoELayer` (count exchange, all-to-all dispatch and
+  combine, local grouped GEMMs, MXFP8 dispatch), :func:`shard_experts`, :func:`loss_share`.
+- :mod:`.collectives`: the differentiable row all-to-all and :class:`CommStats`.
+- :mod:`.sync`: replicated vs sharded parameters, gradient all-reduce, global-norm
+  clipping, gathering and loading checkpoints.
+- :mod:`.launch`: process group from torchrun's environment.
+- :mod:`.train`: the expert-parallel training loop (``mxmoe train --expert-parallel P``).
+"""
+
+from .collectives import AllToAllRows, CommStats, all_to_all_rows
+from .ep import (
+    ExpertParallelMoELayer,
+    expert_major_order,
+    expert_parameter_names,
+    loss_share,
+    mx_row_bytes,
+    pack_mx_rows,
+    shard_experts,
+    unpack_mx_rows,
+)
+from .launch import DistEnv, init_expert_parallel
+
+__all__ = [
+    "AllToAllRows",
+    "CommStats",
+    "DistEnv",
+    "ExpertParallelMoELayer",
+    "all_to_all_rows",
+    "expert_major_order",
+    "expert_parameter_names",
+    "init_expert_parallel",
+    "loss_share",
+    "mx_row_bytes",
+    "pack_mx_rows",
+    "shard_experts",
+    "unpack_mx_rows",
+]

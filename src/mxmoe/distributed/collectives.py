@@ -1,0 +1,157 @@
+"""Row all-to-all on torch.distributed, differentiable, with optional byte and time accounting.
+
+``all_to_all_rows`` exchanges the rows of a (R, C) tensor: rank i sends rows
+``send_splits[j]`` (consecutive, in rank order) to rank j and receives ``recv_splits[j]``
+rows from rank j, concatenated in source-rank order. It is
+``torch.distributed.all_to_all_single`` with split sizes given on the host (which is why
+expert parallelism synchronizes with the host once per MoE layer: the sizes depend on the
+routing).
+
+:class:`AllToAllRows` is its ``autograd.Function``: the backward is the reverse
+all-to-all (send and receive splits swapped), a permutation of rows between ranks, so
+the gradient is exact and deterministic. (``torch.distributed.nn.functional.all_to_all_single``
+does the same with gloo on torch 2.13, but warns there that it is deprecated in favour of
+the private ``torch.distributed._functional_collectives``; this one is a few lines, takes
+any dtype the backend carries (uint8 for the MXFP8 wire format) and can record bytes
+and time.)
+
+Collective calls must be made by every rank of the group in the same order; every call
+here is, forward and backward (the backward order follows the graph, identical on every
+rank).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class CommRecord:
+    """One collective call.
+
+    Attributes:
+        kind: what was exchanged ("dispatch", "combine", "dispatch.grad", "combine.grad",
+            "counts").
+        bytes_remote: bytes this rank sent to other ranks (its own rows excluded).
+        bytes_total: bytes of this rank's send buffer (its own rows included).
+        seconds: duration of the call; None until :meth:`CommStats.summary` resolves CUDA
+            events.
+    """
+
+    kind: str
+    bytes_remote: int
+    bytes_total: int
+    seconds: float | None = None
+
+
+class CommStats:
+    """Collects bytes and time of the collectives of the expert-parallel layers.
+
+    On CUDA each call is bracketed by CUDA events on the current stream (the time from
+    the call's launch until the current stream may continue past it, which includes
+    waiting for the slowest rank); on the CPU by ``time.perf_counter`` around the
+    (synchronous) call. Off by default: layers record only when given a ``CommStats``.
+    """
+
+    def __init__(self):
+        self.records: list[CommRecord] = []
+        self._events: list[tuple[CommRecord, object, object]] = []
+
+    def reset(self) -> None:
+        self.records.clear()
+        self._events.clear()
+
+    @contextmanager
+    def record(self, kind: str, bytes_remote: int, bytes_total: int, device: torch.device):
+        rec = CommRecord(kind, bytes_remote, bytes_total)
+        self.records.append(rec)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((rec, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            rec.seconds = time.perf_counter() - t0
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per kind: ``calls``, ``bytes_remote``, ``bytes_total`` (sums) and ``ms`` (summed
+        milliseconds) over the records since the last :meth:`reset`. Synchronizes CUDA."""
+        if self._events:
+            torch.cuda.synchronize()
+            for rec, start, end in self._events:
+                rec.seconds = start.elapsed_time(end) / 1e3
+            self._events.clear()
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes_remote": 0, "bytes_total": 0,
+                                                                "ms": 0.0})
+        for rec in self.records:
+            s = out[rec.kind]
+            s["calls"] += 1
+            s["bytes_remote"] += rec.bytes_remote
+            s["bytes_total"] += rec.bytes_total
+            s["ms"] += (rec.seconds or 0.0) * 1e3
+        return dict(out)
+
+
+def all_to_all_rows(x_RC: Tensor, recv_splits: list[int], send_splits: list[int], group=None,
+                    stats: CommStats | None = None, kind: str = "rows") -> Tensor:
+    """Exchange rows between the ranks of ``group`` (no autograd).
+
+    Args:
+        x_RC: (R, ...) any dtype the backend carries (gloo and NCCL: float32, bfloat16,
+            uint8, int64, ...); R = sum(send_splits). Rows for rank j are consecutive, in
+            rank order.
+        recv_splits: rows received from each rank (length = group size), host ints.
+        send_splits: rows sent to each rank, host ints.
+        group: process group (None: the default group).
+        stats: optional :class:`CommStats` recorder; ``kind`` labels the record.
+
+    Returns:
+        (sum(recv_splits), ...) rows in source-rank order, x_RC's dtype and device.
+
+    Raises:
+        ValueError: the split lists do not match the group size or x_RC's row count.
+    """
+    world = dist.get_world_size(group)
+    if len(recv_splits) != world or len(send_splits) != world:
+        raise ValueError(f"split lists must have one entry per rank ({world}), got {len(recv_splits)} "
+                         f"and {len(send_splits)}")
+    if sum(send_splits) != x_RC.shape[0]:
+        raise ValueError(f"send_splits sum to {sum(send_splits)} rows but x has {x_RC.shape[0]}")
+    x_RC = x_RC.contiguous()
+    out = x_RC.new_empty((sum(recv_splits), *x_RC.shape[1:]))
+    if stats is None:
+        dist.all_to_all_single(out, x_RC, recv_splits, send_splits, group=group)
+        return out
+    row_bytes = x_RC[0:1].numel() * x_RC.element_size() if x_RC.dim() > 1 else x_RC.element_size()
+    me = dist.get_rank(group)
+    remote = sum(n for j, n in enumerate(send_splits) if j != me) * row_bytes
+    with stats.record(kind, remote, x_RC.shape[0] * row_bytes, x_RC.device):
+        dist.all_to_all_single(out, x_RC, recv_splits, send_splits, group=group)
+    return out
+
+
+class AllToAllRows(torch.autograd.Function):
+    """Differentiable :func:`all_to_all_rows`; the backward is the reverse exchange.
+
+    ``AllToAllRows.apply(x_RC, recv_splits, send_splits, group, stats, kind)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_RC: Tensor, recv_splits: list[int], send_splits: list[int], group, stats, kind: str):
+        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.kind = recv_splits, send_splits, group, stats, kind
+        return all_to_all_rows(x_RC, recv_splits, send_splits, group, stats, kind)
+
+    @staticmethod
+    def backward(ctx, dy_RC: Tensor):
+        dx = all_to_all_rows(dy_RC, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
+        return dx, None, None, None, None, None
