@@ -46,6 +46,8 @@ import torch
 
 PRESETS = {
     "default": dict(layers=4, width=256, heads=4, experts=8, top_k=2, expert_width=128, seq_len=256, batch_size=16),
+    # the `--preset h200` model of mxmoe train / compare (mxmoe.cli.presets)
+    "h200": dict(layers=8, width=512, heads=8, experts=32, top_k=2, expert_width=512, seq_len=512, batch_size=32),
     "large": dict(layers=4, width=2048, heads=16, experts=16, top_k=2, expert_width=1024, seq_len=1024, batch_size=8),
     "smoke": dict(layers=2, width=64, heads=2, experts=4, top_k=2, expert_width=64, seq_len=32, batch_size=2),
 }
