@@ -40,8 +40,11 @@ def current_rss_gib() -> float | None:
 
 
 def git_describe() -> str | None:
-    """``git describe --always --dirty`` of the source tree mxmoe runs from, if it is a
-    git checkout (None otherwise)."""
+    """The commit the code came from: the ``COMMIT`` environment variable when set (a copy
+    of the tree without its own history, e.g. on a remote GPU machine, says it this way),
+    else ``git describe --always --dirty`` of the source tree, None outside a checkout."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)
