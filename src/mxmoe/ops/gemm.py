@@ -104,11 +104,13 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
     return torch.where(keep.unsqueeze(1), x_TC, torch.zeros((), dtype=x_TC.dtype, device=x_TC.device))
 
 
-def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: bool = False) -> Tensor:
     """out[t] = x[t] @ w[e(t)]^T for the rows t of group e; zero rows past the last offset.
 
     Args:
         x_TK: (T, K); w_ENK: (E, N, K), same dtype; offsets_E: (E,) int32 cumulative ends.
+        all_rows: the caller guarantees offsets[-1] == T (every row in a group), which
+            skips the pass that zeroes the rows past the end.
 
     Returns:
         (T, N) in x's dtype (float32 accumulation).
@@ -128,14 +130,15 @@ def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
         out = x_TK.new_empty(T, N)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
             out[s:t] = x_TK[s:t] @ w_ENK[e].t()
-    return zero_rows_past_end(out, offsets_E)
+    return out if all_rows else zero_rows_past_end(out, offsets_E)
 
 
-def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: bool = False) -> Tensor:
     """dx[t] = dy[t] @ w[e(t)] (the dgrad of :func:`grouped_mm_nt`); zero rows past the end.
 
     Args:
-        dy_TN: (T, N); w_ENK: (E, N, K); offsets_E: (E,) int32.
+        dy_TN: (T, N); w_ENK: (E, N, K); offsets_E: (E,) int32. all_rows: as
+            :func:`grouped_mm_nt`.
 
     Returns:
         (T, K) in dy's dtype.
@@ -155,7 +158,7 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor) -> Tensor:
         out = dy_TN.new_empty(T, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
             out[s:t] = dy_TN[s:t] @ w_ENK[e]
-    return zero_rows_past_end(out, offsets_E)
+    return out if all_rows else zero_rows_past_end(out, offsets_E)
 
 
 def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
-from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn, zero_rows_past_end
+from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import fake_quantize, fake_quantize_grouped_tokens
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn, use_native_mx_grouped_mm
 
@@ -28,7 +28,9 @@ class _MXGroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
         dtype = x_TK.dtype
-        x_TK = zero_rows_past_end(x_TK, offsets_E)
+        # rows past offsets[-1] may hold anything: no GEMM below reads them (the quantizers
+        # are row-local along K, the grouped GEMMs read only the groups' rows, the wgrad
+        # quantizer only each expert's tokens), and the outputs there are written as zeros
         ctx.native = recipe.quantize and use_native_mx_grouped_mm(x_TK.device, recipe)
         if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
             ctx.save_for_backward(x_TK, w_ENK, offsets_E)
@@ -48,7 +50,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         x_TK, w_ENK, offsets_E = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dtype = x_TK.dtype
-        dy_TN = zero_rows_past_end(dy_TN.to(dtype).contiguous(), offsets_E)  # may arrive expanded
+        dy_TN = dy_TN.to(dtype).contiguous()  # may arrive expanded; rows past the end are not read
         dx = dw = None
         if ctx.native:
             if ctx.needs_input_grad[0]:

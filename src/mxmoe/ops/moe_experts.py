@@ -132,12 +132,12 @@ class _MXExpertsFunction(torch.autograd.Function):
         xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
         xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
         w13q = fake_quantize(w13_E2FD, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along D
-        h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E)  # (A, D) x (E, 2F, D) -> (A, 2F)
+        h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E, all_rows=True)  # (A, D) x (E, 2F, D) -> (A, 2F)
         del xq_AD, w13q
         act_AF, hq, hs = swiglu_quantize(h_A2F, recipe)
         del h_A2F
         w2q = fake_quantize(w2_EDF, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along F
-        y_AD = grouped_mm_nt(act_AF, w2q, offsets_E)  # (A, F) x (E, D, F) -> (A, D)
+        y_AD = grouped_mm_nt(act_AF, w2q, offsets_E, all_rows=True)  # (A, F) x (E, D, F) -> (A, D)
         ctx.save_for_backward(w13_E2FD, w2_EDF, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs)
         ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
         return y_AD.to(x_TD.dtype)
@@ -150,7 +150,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         # w2: dgrad along D, wgrad along tokens
         dyq = fake_quantize(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
         w2q = fake_quantize(w2, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, D, F) along D
-        dact_AF = grouped_mm_nn(dyq, w2q, offsets_E)  # (A, D) x (E, D, F) -> (A, F)
+        dact_AF = grouped_mm_nn(dyq, w2q, offsets_E, all_rows=True)  # (A, D) x (E, D, F) -> (A, F)
         del dyq, w2q
         dh_A2F, act_AF = swiglu_backward(hq, hs, dact_AF, recipe)
         del dact_AF
@@ -161,7 +161,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         # w13: dgrad along 2F, wgrad along tokens
         dhq = fake_quantize(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
         w13q = fake_quantize(w13, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, 2F, D) along 2F
-        dx_AD = grouped_mm_nn(dhq, w13q, offsets_E)  # (A, 2F) x (E, 2F, D) -> (A, D)
+        dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
         del dhq, w13q
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
         x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
@@ -190,7 +190,8 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         x_TD: (T, D) float32/bfloat16 token activations (not permuted).
         src_A: (A,) int64, the token of each routed row, rows sorted by expert; every token
             appears exactly k = A / T times.
-        offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A.
+        offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A (every row
+            belongs to an expert: the GEMMs skip zeroing rows past the end).
         w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F).
         recipe: a recipe for which :func:`supports_fused_experts` holds.
 
