@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..moe.layer import MoEAux, MoELayer, SwiGLUExperts
+from ..moe.layer import MoEAux, MoELayer, SwiGLUExperts, combine_weighted
 from ..ops.moe_experts import mx_moe_experts
 from ..ops.sm100 import use_native_mx_grouped_mm
 from ..numerics.formats import ElemFormat
@@ -267,8 +267,7 @@ class ExpertParallelMoELayer(nn.Module):
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
         y_sorted_AD = AllToAllRows.apply(y_RD, send_splits, recv_splits, self.group, self.comm_stats, "combine")
-        y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
-        y_TD = (y_AD.view(T, k, D) * r.weights_Tk.to(y_AD.dtype).unsqueeze(-1)).sum(dim=1)
+        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if self.fused else None)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self.recipe)
         self.last_tokens_per_expert = counts_global_E.to(device)
