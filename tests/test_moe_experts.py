@@ -184,3 +184,31 @@ def test_saved_activations_are_fp8_and_under_0_6_of_bf16():
     mx = saved_bytes(REF, True)
     bf = saved_bytes(get_recipe("bf16"), False)
     assert mx <= 0.6 * bf, (mx, bf)
+
+
+def test_fp8_combine_forward_bit_equal_backward_reads_mxfp8_y():
+    """combine_weighted with an MXFP8 recipe: the forward is the plain combine's bit for
+    bit; the gradient of the rows is too; the weights' gradient is the plain one computed
+    from y rounded to MXFP8 along D (what the backward keeps)."""
+    from mxmoe.moe.layer import combine_weighted
+    from mxmoe.numerics.qdq import fake_quantize_mx
+
+    g = torch.Generator().manual_seed(5)
+    T, k, D = 37, 3, 96
+    y = spread(T * k, D, 6).to(torch.bfloat16)
+    order = torch.randperm(T * k, generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    dy = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    outs = []
+    for recipe in (None, REF):
+        yy, ww = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = combine_weighted(yy, order, ww, recipe)
+        out.backward(dy)
+        outs.append((out, yy.grad, ww.grad))
+    (o0, dy0, dw0), (o1, dy1, dw1) = outs
+    assert torch.equal(o0, o1) and torch.equal(dy0, dy1)
+    # the plain combine's weight gradient, with y replaced by its MXFP8 rounding
+    yq = fake_quantize_mx(y, dim=1, out_dtype=torch.bfloat16, backend="reference")
+    ww = w.clone().requires_grad_(True)
+    combine_weighted(yq, order, ww, None).backward(dy)
+    assert torch.equal(dw1, ww.grad)
