@@ -124,6 +124,33 @@ def _dot(a, b_t, acc, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _mx_dot_step(acc, a_ptrs, sa_ptrs, b_ptrs, sb_ptrs, row_ok, col_ok, k_ok, s_ok,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DEQUANT: tl.constexpr, SCALE_GATHER: tl.constexpr):
+    """One step of the K loop: acc + A_tile @ B_tile^T, A codes (BLOCK_M, BLOCK_K) and B codes
+    (BLOCK_N, BLOCK_K) with their scale bytes loaded where row_ok (BLOCK_M,) / col_ok
+    (BLOCK_N,) and, along K, k_ok (codes) / s_ok (scales) hold (None: the whole K tile);
+    masked codes read 0, masked scales 127 (2^0). Dequantized in registers."""
+    if k_ok is None:
+        a_ok = row_ok[:, None]
+        sa_ok = row_ok[:, None]
+        b_ok = col_ok[:, None]
+        sb_ok = col_ok[:, None]
+    else:
+        a_ok = row_ok[:, None] & k_ok[None, :]
+        sa_ok = row_ok[:, None] & s_ok[None, :]
+        b_ok = col_ok[:, None] & k_ok[None, :]
+        sb_ok = col_ok[:, None] & s_ok[None, :]
+    a = tl.load(a_ptrs, mask=a_ok, other=0)
+    sa = tl.load(sa_ptrs, mask=sa_ok, other=127)
+    b = tl.load(b_ptrs, mask=b_ok, other=0)
+    sb = tl.load(sb_ptrs, mask=sb_ok, other=127)
+    a_v = _dequant_tile(a, sa, BLOCK_M, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
+    b_v = _dequant_tile(b, sb, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
+    return _dot(a_v, b_v, acc, DOT_DTYPE)
+
+
+@triton.jit
 def _swizzle(local, n_rows, n_cols, group_m):
     """Tile ``local`` of an (n_rows x n_cols) tile grid in bands of ``group_m`` rows, each
     band column by column (group_m = 1: row-major). Returns (row tile, column tile)."""
@@ -197,20 +224,13 @@ def _mx_grouped_gemm_nt_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(0, n_k):
             if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
-                sa = tl.load(sa_ptrs, mask=row_ok[:, None], other=127)
-                b = tl.load(b_ptrs, mask=col_ok[:, None], other=0)
-                sb = tl.load(sb_ptrs, mask=col_ok[:, None], other=127)
+                acc = _mx_dot_step(acc, a_ptrs, sa_ptrs, b_ptrs, sb_ptrs, row_ok, col_ok, None, None,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
             else:
                 k_ok = kt * BLOCK_K + ks < Kc
                 s_ok = kt * (BLOCK_K // 32) + ss < scale_cols
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
-                sa = tl.load(sa_ptrs, mask=row_ok[:, None] & s_ok[None, :], other=127)
-                b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0)
-                sb = tl.load(sb_ptrs, mask=col_ok[:, None] & s_ok[None, :], other=127)
-            a_v = _dequant_tile(a, sa, BLOCK_M, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
-            b_v = _dequant_tile(b, sb, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
-            acc = _dot(a_v, b_v, acc, DOT_DTYPE)
+                acc = _mx_dot_step(acc, a_ptrs, sa_ptrs, b_ptrs, sb_ptrs, row_ok, col_ok, k_ok, s_ok,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
             a_ptrs += BLOCK_K
             sa_ptrs += BLOCK_K // 32
             b_ptrs += BLOCK_K
@@ -270,13 +290,8 @@ def _mx_grouped_gemm_tn_kernel(
         for kt in range(0, n_k):
             k_ok = l_start + kt * BLOCK_K + ks < l_end
             s_ok = l_start // 32 + kt * (BLOCK_K // 32) + ss < block_end
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
-            sa = tl.load(sa_ptrs, mask=row_ok[:, None] & s_ok[None, :], other=127)
-            b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0)
-            sb = tl.load(sb_ptrs, mask=col_ok[:, None] & s_ok[None, :], other=127)
-            a_v = _dequant_tile(a, sa, BLOCK_M, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
-            b_v = _dequant_tile(b, sb, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
-            acc = _dot(a_v, b_v, acc, DOT_DTYPE)
+            acc = _mx_dot_step(acc, a_ptrs, sa_ptrs, b_ptrs, sb_ptrs, row_ok, col_ok, k_ok, s_ok,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DEQUANT, SCALE_GATHER)
             a_ptrs += BLOCK_K
             sa_ptrs += BLOCK_K // 32
             b_ptrs += BLOCK_K

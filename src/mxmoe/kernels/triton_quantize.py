@@ -180,10 +180,87 @@ def _store_transposed_packed(q_ptr, base, row_words, codes, cols64, col_ok, word
     this tile's words start at ``word0``."""
     shifts = (tl.arange(0, 4) * 8)[None, :, None]
     words = tl.sum(tl.reshape(codes.to(tl.int32), (BLOCK_R // 4, 4, BLOCK_C)) << shifts, axis=1)  # or of bytes
-    t = tl.trans(words)  # (BLOCK_C, BLOCK_R // 4)
-    w_idx = word0 + tl.arange(0, BLOCK_R // 4)
+    _store_words_t(q_ptr, base, row_words, tl.trans(words), cols64, col_ok, word0 + tl.arange(0, BLOCK_R // 4), n_words)
+
+
+@triton.jit
+def _store_words_t(q_ptr, base, row_words, words_t, cols64, col_ok, w_idx, n_words):
+    """Store int32 words ``words_t`` (BLOCK_C, W), already transposed, into uint8 codes
+    read as int32 words: output row c holds ``row_words`` words from ``base`` on; this
+    tile's words are ``w_idx`` (W,), stored where ``col_ok`` and w_idx < n_words."""
     ptr = q_ptr.to(tl.pointer_type(tl.int32)) + base + cols64[:, None] * row_words + w_idx[None, :]
-    tl.store(ptr, t, mask=col_ok[:, None] & (w_idx < n_words)[None, :])
+    tl.store(ptr, words_t, mask=col_ok[:, None] & (w_idx < n_words)[None, :])
+
+
+@triton.jit
+def _scale_bits(e, nf):
+    """E8M0 scale bytes: biased exponent e + 127, 0xFF (NaN) for non-finite blocks."""
+    return tl.where(nf, 255, e + 127).to(tl.uint8)
+
+
+@triton.jit
+def _scale_offset(b, n_rows, rows128, n_elems, r, c, BLOCKED: tl.constexpr):
+    """Offset of scale (r, c) of matrix b in scales (B, n_rows, n_elems / 32): row-major,
+    or Blackwell blocked (``rows128``: n_rows rounded up to 128)."""
+    if BLOCKED:
+        n_col_tiles = (n_elems // 32 + 3) // 4
+        return b * rows128 * n_col_tiles * 4 + _blocked_scale_offset(r, c, n_col_tiles)
+    else:
+        return b * n_rows * (n_elems // 32) + r * (n_elems // 32) + c
+
+
+@triton.jit
+def _row_block_scales(abs_bits, ELEM: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Scales of the 32-element blocks along the columns of abs_bits (ROWS, BLOCK_C) (int32
+    bit patterns, sign clear) -> (e, nonfinite) (ROWS, BLOCK_C // 32) (or (ROWS, 1)) and
+    both broadcast to (ROWS, BLOCK_C)."""
+    if BLOCK_C == 32:  # one block per row: reduce in place, no reshape
+        e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)  # (ROWS, 1)
+        e_x = tl.broadcast_to(e, (ROWS, BLOCK_C))
+        nf_x = tl.broadcast_to(nf, (ROWS, BLOCK_C))
+    else:
+        amax = tl.max(tl.reshape(abs_bits, (ROWS, BLOCK_C // 32, 32)), axis=2)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (ROWS, BLOCK_C // 32)
+        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (ROWS, BLOCK_C // 32, 32)), (ROWS, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (ROWS, BLOCK_C // 32, 32)), (ROWS, BLOCK_C))
+    return e, nf, e_x, nf_x
+
+
+@triton.jit
+def _col_block_scales(abs_bits, ELEM: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, PER_BLOCK: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """Scales of blocks of PER_BLOCK consecutive rows of abs_bits (ROWS, BLOCK_C) ->
+    (e, nonfinite) (ROWS // PER_BLOCK, BLOCK_C) and both broadcast to (ROWS, BLOCK_C).
+    PER_BLOCK is 32, or 8 for a quarter tile (each of its rows stands for 4 rows)."""
+    if ROWS == PER_BLOCK:  # one block per column: reduce in place, no reshape
+        e, nf = _scale_exponent(tl.max(abs_bits, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
+        e_x = tl.broadcast_to(e, (ROWS, BLOCK_C))
+        nf_x = tl.broadcast_to(nf, (ROWS, BLOCK_C))
+    else:
+        amax = tl.max(tl.reshape(abs_bits, (ROWS // PER_BLOCK, PER_BLOCK, BLOCK_C)), axis=1)
+        e, nf = _scale_exponent(amax, ELEM, MODE)  # (ROWS // PER_BLOCK, BLOCK_C)
+        e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (ROWS // PER_BLOCK, PER_BLOCK, BLOCK_C)), (ROWS, BLOCK_C))
+        nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (ROWS // PER_BLOCK, PER_BLOCK, BLOCK_C)), (ROWS, BLOCK_C))
+    return e, nf, e_x, nf_x
+
+
+@triton.jit
+def _store_rowwise(qr_ptr, sr_ptr, codes, e, nf, rows64, row_ok, cols64, pid_c, b, R, Cp, R128,
+                   BLOCKED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store row-wise codes (ROWS, BLOCK_C) of rows ``rows64`` into (B, R, Cp) and their
+    scales e / nf (ROWS, BLOCK_C // 32) into (B, R, Cp / 32) (or blocked)."""
+    q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
+    tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols64 < Cp)[None, :])
+    scols = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    s_mask = row_ok[:, None] & (scols < Cp // 32)[None, :]
+    s_off = _scale_offset(b, R, R128, Cp, rows64[:, None], scols[None, :], BLOCKED)
+    tl.store(sr_ptr + s_off, _scale_bits(e, nf), mask=s_mask)
+
+
+@triton.jit
+def _abs_bits(x):
+    """float32 bit patterns of x with the sign cleared (int32): ordered like |x|, NaN largest."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
@@ -198,12 +275,12 @@ def _mx_rows_kernel(
     ok = blks < n_blocks
     offs = blks[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = _to_float32(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0), SOFT_CASTS)
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abs_bits = _abs_bits(x)
     e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)
     r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, True)
     if WRITE_Q:
         tl.store(q_ptr + offs, codes, mask=ok[:, None])
-        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+        sbits = _scale_bits(e, nf)
         if BLOCKED:  # one blocked scale matrix per (rows_per_matrix, blocks_per_row) matrix
             rows = blks // blocks_per_row
             n_col_tiles = (blocks_per_row + 3) // 4
@@ -240,52 +317,26 @@ def _mx_tile_kernel(
     in_mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = _to_float32(tl.load(x_ptr + b * stride_xb + rows64[:, None] * stride_xr + cols64[None, :] * stride_xc,
                             mask=in_mask, other=0.0), SOFT_CASTS)
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abs_bits = _abs_bits(x)
 
     if ROWWISE:
-        if BLOCK_C == 32:  # one block per row: reduce in place, no reshape
-            e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)  # (BLOCK_R, 1)
-            e_x = tl.broadcast_to(e, (BLOCK_R, BLOCK_C))
-            nf_x = tl.broadcast_to(nf, (BLOCK_R, BLOCK_C))
-        else:
-            amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
-            e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R, BLOCK_C // 32)
-            e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-            nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+        e, nf, e_x, nf_x = _row_block_scales(abs_bits, ELEM, MODE, BLOCK_R, BLOCK_C)
         r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
-        row_ok = rows < R
         if WRITE_Q:
-            q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
-            tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols < Cp)[None, :])
-            sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
-            scols = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-            s_mask = row_ok[:, None] & (scols < Cp // 32)[None, :]
-            if BLOCKED:
-                n_col_tiles = (Cp // 32 + 3) // 4
-                s_off = b * R128 * n_col_tiles * 4 + _blocked_scale_offset(rows64[:, None], scols[None, :], n_col_tiles)
-            else:
-                s_off = b * R * (Cp // 32) + rows64[:, None] * (Cp // 32) + scols[None, :]
-            tl.store(sr_ptr + s_off, sbits, mask=s_mask)
+            _store_rowwise(qr_ptr, sr_ptr, codes, e, nf, rows64, rows < R, cols64, pid_c, b, R, Cp, R128,
+                           BLOCKED, BLOCK_C)
         if WRITE_DQ:
             d_off = b * R * C + rows64[:, None] * C + cols64[None, :]
             tl.store(dr_ptr + d_off, _from_float32(_dequantized(r, e_x, nf_x), dr_ptr.dtype.element_ty, SOFT_CASTS), mask=in_mask)
 
     if COLWISE:
-        if BLOCK_R == 32:  # one block per column: reduce in place, no reshape
-            e, nf = _scale_exponent(tl.max(abs_bits, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
-            e_x = tl.broadcast_to(e, (BLOCK_R, BLOCK_C))
-            nf_x = tl.broadcast_to(nf, (BLOCK_R, BLOCK_C))
-        else:
-            amax = tl.max(tl.reshape(abs_bits, (BLOCK_R // 32, 32, BLOCK_C)), axis=1)
-            e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
-            e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
-            nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 32, BLOCK_C)), (BLOCK_R, BLOCK_C))
+        e, nf, e_x, nf_x = _col_block_scales(abs_bits, ELEM, MODE, BLOCK_R, 32, BLOCK_C)
         r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
         col_ok = cols < C
         out_mask = (rows < Rp)[:, None] & col_ok[None, :]
         srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
         s_mask = (srows < Rp // 32)[:, None] & col_ok[None, :]
-        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
+        sbits = _scale_bits(e, nf)
         if COL_T:
             if WRITE_Q:
                 if PACK_T:
@@ -293,11 +344,7 @@ def _mx_tile_kernel(
                                              pid_r * (BLOCK_R // 4), Rp // 4, BLOCK_R, BLOCK_C)
                 else:
                     tl.store(qc_ptr + b * C * Rp + cols64[None, :] * Rp + rows64[:, None], codes, mask=out_mask)
-                if BLOCKED:
-                    n_col_tiles = (Rp // 32 + 3) // 4
-                    s_off = b * C128 * n_col_tiles * 4 + _blocked_scale_offset(cols64[None, :], srows[:, None], n_col_tiles)
-                else:
-                    s_off = b * C * (Rp // 32) + cols64[None, :] * (Rp // 32) + srows[:, None]
+                s_off = _scale_offset(b, C, C128, Rp, cols64[None, :], srows[:, None], BLOCKED)
                 tl.store(sc_ptr + s_off, sbits, mask=s_mask)
             if WRITE_DQ:
                 d_off = b * C * R + cols64[None, :] * R + rows64[:, None]
@@ -312,6 +359,23 @@ def _mx_tile_kernel(
 
 
 @triton.jit
+def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
+    """32-token block ``blk`` of the per-expert padded layout -> (its first token, the end of
+    its expert's tokens). ends_ptr: (E,) cumulative token ends; block_starts_ptr: (E + 1,)
+    cumulative padded block starts."""
+    # expert of this block: the number of experts whose padded blocks end at or before it
+    ge = tl.arange(0, E_POW2)
+    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
+    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    g_safe = tl.minimum(g, E - 1)
+    block_start = tl.load(block_starts_ptr + g_safe)
+    # past the last expert: read nothing; never past row T, whatever the offsets say
+    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
+    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    return tok_start + (blk - block_start) * 32, tok_end
+
+
+@triton.jit
 def _mx_grouped_col_kernel(
     x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
@@ -322,23 +386,15 @@ def _mx_grouped_col_kernel(
 ):
     pid_c = tl.program_id(0)
     blk = tl.program_id(1)  # 32-token block of the padded layout
-    # expert of this block: the number of experts whose padded blocks end at or before it
-    ge = tl.arange(0, E_POW2)
-    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
-    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
-    g_safe = tl.minimum(g, E - 1)
-    block_start = tl.load(block_starts_ptr + g_safe)
-    # past the last expert: read nothing; never past row T, whatever the offsets say
-    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
-    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
-    toks = tok_start + (blk - block_start) * 32 + tl.arange(0, 32)
+    tok0, tok_end = _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2)
+    toks = tok0 + tl.arange(0, 32)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cols64 = cols.to(tl.int64)
     tok_ok = toks < tok_end
     in_mask = tok_ok[:, None] & (cols < C)[None, :]
     x = _to_float32(tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_xt + cols64[None, :] * stride_xc,
                             mask=in_mask, other=0.0), SOFT_CASTS)
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    abs_bits = _abs_bits(x)
     amax = tl.max(abs_bits, axis=0)  # (BLOCK_C,)
     e, nf = _scale_exponent(amax, ELEM, MODE)
     e_x = tl.broadcast_to(e[None, :], (32, BLOCK_C))
@@ -351,13 +407,8 @@ def _mx_grouped_col_kernel(
             _store_transposed_packed(q_ptr, 0, Tp // 4, codes, cols64, cols < C, blk * 8, Tp // 4, 32, BLOCK_C)
         else:
             tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
-        sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
-        if BLOCKED:
-            n_col_tiles = (Tp // 32 + 3) // 4
-            s_off = _blocked_scale_offset(cols64, blk.to(tl.int64), n_col_tiles)
-        else:
-            s_off = cols64 * (Tp // 32) + blk
-        tl.store(s_ptr + s_off, sbits, mask=cols < C)
+        tl.store(s_ptr + _scale_offset(0, C, C128, Tp, cols64, blk.to(tl.int64), BLOCKED), _scale_bits(e, nf),
+                 mask=cols < C)
     if WRITE_DQ:
         tl.store(d_ptr + cols64[None, :] * Tp + pos[:, None],
                  _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_mask)
@@ -404,28 +455,9 @@ def _rowwise_quarter(x, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, qr_ptr, s
                      ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
                      Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """Row-wise codes and scales of the rows ``rows64`` (Q,) of a tile: x (Q, BLOCK_C) float32."""
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if BLOCK_C == 32:
-        e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)  # (Q, 1)
-        e_x = tl.broadcast_to(e, (Q, BLOCK_C))
-        nf_x = tl.broadcast_to(nf, (Q, BLOCK_C))
-    else:
-        amax = tl.max(tl.reshape(abs_bits, (Q, BLOCK_C // 32, 32)), axis=2)
-        e, nf = _scale_exponent(amax, ELEM, MODE)  # (Q, BLOCK_C // 32)
-        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
-        nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (Q, BLOCK_C // 32, 32)), (Q, BLOCK_C))
+    e, nf, e_x, nf_x = _row_block_scales(_abs_bits(x), ELEM, MODE, Q, BLOCK_C)
     _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
-    q_off = b * R * Cp + rows64[:, None] * Cp + cols64[None, :]
-    tl.store(qr_ptr + q_off, codes, mask=row_ok[:, None] & (cols64 < Cp)[None, :])
-    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
-    scols = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-    s_mask = row_ok[:, None] & (scols < Cp // 32)[None, :]
-    if BLOCKED:
-        n_col_tiles = (Cp // 32 + 3) // 4
-        s_off = b * R128 * n_col_tiles * 4 + _blocked_scale_offset(rows64[:, None], scols[None, :], n_col_tiles)
-    else:
-        s_off = b * R * (Cp // 32) + rows64[:, None] * (Cp // 32) + scols[None, :]
-    tl.store(sr_ptr + s_off, sbits, mask=s_mask)
+    _store_rowwise(qr_ptr, sr_ptr, codes, e, nf, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, BLOCKED, BLOCK_C)
 
 
 @triton.jit
@@ -473,34 +505,18 @@ def _mx_tile_t4_kernel(
         _rowwise_quarter(x3, (r0 + 3).to(tl.int64), r0 + 3 < R, cols64, pid_c, b, R, Cp, R128, qr_ptr, sr_ptr,
                          ELEM, MODE, BLOCKED, HW_ROUND, Q, BLOCK_C)
     # column-wise: a 32-row block is 8 consecutive quarter rows of each x_j
-    m = tl.maximum(tl.maximum(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF),
-                   tl.maximum(x2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
-    if BLOCK_R == 32:
-        e, nf = _scale_exponent(tl.max(m, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
-        e_x = tl.broadcast_to(e, (Q, BLOCK_C))
-        nf_x = tl.broadcast_to(nf, (Q, BLOCK_C))
-    else:
-        amax = tl.max(tl.reshape(m, (BLOCK_R // 32, 8, BLOCK_C)), axis=1)
-        e, nf = _scale_exponent(amax, ELEM, MODE)  # (BLOCK_R // 32, BLOCK_C)
-        e_x = tl.reshape(tl.broadcast_to(e[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
-        nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (BLOCK_R // 32, 8, BLOCK_C)), (Q, BLOCK_C))
+    m = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
+    e, nf, e_x, nf_x = _col_block_scales(m, ELEM, MODE, Q, 8, BLOCK_C)
     _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
     _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, True)
     _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, True)
     _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, True)
     words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, Q)
-    w_idx = pid_r * Q + i
-    q_ptr = qc_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4) + cols64[:, None] * (Rp // 4) + w_idx[None, :]
-    tl.store(q_ptr, words, mask=col_in[:, None] & (w_idx < Rp // 4)[None, :])
+    _store_words_t(qc_ptr, b * C * (Rp // 4), Rp // 4, words, cols64, col_in, pid_r * Q + i, Rp // 4)
     srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
     s_mask = (srows < Rp // 32)[:, None] & col_in[None, :]
-    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
-    if BLOCKED:
-        n_col_tiles = (Rp // 32 + 3) // 4
-        s_off = b * C128 * n_col_tiles * 4 + _blocked_scale_offset(cols64[None, :], srows[:, None], n_col_tiles)
-    else:
-        s_off = b * C * (Rp // 32) + cols64[None, :] * (Rp // 32) + srows[:, None]
-    tl.store(sc_ptr + s_off, sbits, mask=s_mask)
+    s_off = _scale_offset(b, C, C128, Rp, cols64[None, :], srows[:, None], BLOCKED)
+    tl.store(sc_ptr + s_off, _scale_bits(e, nf), mask=s_mask)
 
 
 @triton.jit
@@ -518,15 +534,9 @@ def _mx_grouped_col_t4_kernel(
     token permute fused into the read; T then counts sorted rows)."""
     pid_c = tl.program_id(0)
     blk = tl.program_id(1)
-    ge = tl.arange(0, E_POW2)
-    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
-    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
-    g_safe = tl.minimum(g, E - 1)
-    block_start = tl.load(block_starts_ptr + g_safe)
-    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
-    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    tok0, tok_end = _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2)
     i = tl.arange(0, 8)
-    t0 = tok_start + (blk - block_start) * 32 + 4 * i
+    t0 = tok0 + 4 * i
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cols64 = cols.to(tl.int64)
     col_in = cols < C
@@ -546,31 +556,21 @@ def _mx_grouped_col_t4_kernel(
                              mask=(t0 + 2 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
     x3 = _to_float32(tl.load(base + s3[:, None] * stride_xt,
                              mask=(t0 + 3 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    m = tl.maximum(tl.maximum(x0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x1.to(tl.int32, bitcast=True) & 0x7FFFFFFF),
-                   tl.maximum(x2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
-    e, nf = _scale_exponent(tl.max(m, axis=0)[None, :], ELEM, MODE)  # (1, BLOCK_C)
-    e_x = tl.broadcast_to(e, (8, BLOCK_C))
-    nf_x = tl.broadcast_to(nf, (8, BLOCK_C))
+    m = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
+    e, nf, e_x, nf_x = _col_block_scales(m, ELEM, MODE, 8, 8, BLOCK_C)  # e, nf (1, BLOCK_C)
     r0, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, False)
     r1, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, False)
     r2, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, False)
     r3, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
-    w_idx = blk * 8 + i  # word (4 tokens) index in the padded layout
     if WRITE_Q:
         c0 = _nan_codes(c0, x0, nf_x)
         c1 = _nan_codes(c1, x1, nf_x)
         c2 = _nan_codes(c2, x2, nf_x)
         c3 = _nan_codes(c3, x3, nf_x)
         words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, 8)
-        ptr = q_ptr.to(tl.pointer_type(tl.int32)) + cols64[:, None] * (Tp // 4) + w_idx[None, :]
-        tl.store(ptr, words, mask=col_in[:, None] & (w_idx < Tp // 4)[None, :])
-        sbits = tl.reshape(tl.where(nf, 255, e + 127).to(tl.uint8), (BLOCK_C,))
-        if BLOCKED:
-            n_col_tiles = (Tp // 32 + 3) // 4
-            s_off = _blocked_scale_offset(cols64, blk.to(tl.int64), n_col_tiles)
-        else:
-            s_off = cols64 * (Tp // 32) + blk
-        tl.store(s_ptr + s_off, sbits, mask=col_in)
+        _store_words_t(q_ptr, 0, Tp // 4, words, cols64, col_in, blk * 8 + i, Tp // 4)  # word = 4 tokens
+        sbits = tl.reshape(_scale_bits(e, nf), (BLOCK_C,))
+        tl.store(s_ptr + _scale_offset(0, C, C128, Tp, cols64, blk.to(tl.int64), BLOCKED), sbits, mask=col_in)
     if WRITE_DQ:
         dt = d_ptr.dtype.element_ty
         d0 = _from_float32(_dequantized(r0, e_x, nf_x), dt, SOFT_CASTS)
