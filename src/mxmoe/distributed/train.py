@@ -34,19 +34,19 @@ from tqdm import tqdm
 
 from ..model import MoETransformer
 from ..recipe import get_recipe
-from ..training.checkpoint import MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
-from ..training.data import Corpus, eval_batches, load_corpus, random_batch
+from ..training.checkpoint import MetricsWriter, save_checkpoint, truncate_metrics, write_json
+from ..training.data import Corpus, random_batch
 from ..training.trainer import (
     _SEED_STRIDE,
     CONFIG_NAME,
     METRICS_NAME,
-    RESUME_MAY_CHANGE,
     TrainConfig,
     TrainResult,
     _log,
     lr_at,
     make_optimizer,
     peak_memory_gib,
+    prepare_run,
 )
 from .ep import loss_share, shard_experts
 from .launch import DistEnv, init_expert_parallel
@@ -59,21 +59,13 @@ def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[rank * per:(rank + 1) * per]
 
 
-def _check_resume(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
+def _check_ranks(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
+    """A checkpoint resumes on the P that wrote it (checked before the other settings)."""
     saved_p = checkpoint.get("expert_parallel", 1)
     if saved_p != cfg.expert_parallel:
         raise ValueError(f"the checkpoint in {str(out)!r} was written with --expert-parallel {saved_p}, this run has "
                          f"--expert-parallel {cfg.expert_parallel}: resume on the same number of ranks (the optimizer "
                          f"state is stored per rank)")
-    saved = TrainConfig.from_dict(checkpoint["train_config"])
-    mismatched = [k for k, v in cfg.to_dict().items()
-                  if k not in RESUME_MAY_CHANGE and saved.to_dict().get(k) != v]
-    if mismatched:
-        raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
-                         f"use the original settings or a new --out-dir")
-    if checkpoint["step"] >= cfg.steps:
-        raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
-                         f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
 
 
 @torch.no_grad()
@@ -150,20 +142,7 @@ def train_expert_parallel(cfg: TrainConfig, resume: bool = False, corpus: Corpus
 def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, env: DistEnv) -> TrainResult:
     device, P, main = env.device, env.world_size, env.is_main
     progress = cfg.progress and main
-    out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
-    if corpus is None:
-        corpus = load_corpus(cfg.data)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
-                         f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
-    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    checkpoint = None
-    if resume:
-        checkpoint = load_checkpoint(out)
-        _check_resume(cfg, checkpoint, out)
+    out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus, check_checkpoint=_check_ranks)
 
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -221,6 +221,58 @@ def _log(msg: str, progress: bool) -> None:
         print(msg, flush=True)
 
 
+class PreparedRun(NamedTuple):
+    """What :func:`prepare_run` read: the output directory, the corpus, the fixed eval
+    batches of each split ((x, y) int64 (batch_size, seq_len) pairs) and, on resume, the
+    loaded checkpoint (None otherwise)."""
+
+    out: Path
+    corpus: Corpus
+    val_sets: list
+    train_eval_sets: list
+    checkpoint: dict | None
+
+
+def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
+                check_checkpoint: Callable[[TrainConfig, dict, Path], None] | None = None) -> PreparedRun:
+    """Everything that can refuse a run, checked before any file is touched: the output
+    directory, the corpus (loaded from ``cfg.data`` unless given) against the model's
+    vocabulary, the eval batches, and on ``resume`` the checkpoint (``check_checkpoint(cfg,
+    checkpoint, out)`` first, if given, then the settings and the step against ``cfg``).
+
+    Raises:
+        ValueError: ``out_dir`` is a file; the corpus has ids past ``vocab_size``; a split
+            shorter than seq_len + 1 tokens; a checkpoint with other settings or already
+            at ``cfg.steps``.
+        FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
+    """
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
+    if corpus is None:
+        corpus = load_corpus(cfg.data)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
+                         f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
+    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    checkpoint = None
+    if resume:
+        checkpoint = load_checkpoint(out)
+        if check_checkpoint is not None:
+            check_checkpoint(cfg, checkpoint, out)
+        saved = TrainConfig.from_dict(checkpoint["train_config"])
+        mismatched = [k for k, v in cfg.to_dict().items()
+                      if k not in RESUME_MAY_CHANGE and saved.to_dict().get(k) != v]
+        if mismatched:
+            raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
+                             f"use the original settings or a new --out-dir")
+        if checkpoint["step"] >= cfg.steps:
+            raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
+                             f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
+    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint)
+
+
 def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
     """Train the MoE LM of ``cfg.model`` under ``cfg.recipe``; write config.json,
     metrics.jsonl and checkpoint.pt to ``cfg.out_dir``.
@@ -249,29 +301,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
         raise ValueError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but --expert-parallel 1; pass "
                          f"--expert-parallel {os.environ['WORLD_SIZE']} (data parallelism is not implemented)")
     device = resolve_device(cfg.device)
-    out = Path(cfg.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
-    if corpus is None:
-        corpus = load_corpus(cfg.data)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
-                         f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
-    # everything that can refuse the run is checked before any file is touched
-    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    checkpoint = None
-    if resume:
-        checkpoint = load_checkpoint(out)
-        saved = TrainConfig.from_dict(checkpoint["train_config"])
-        mismatched = [k for k, v in cfg.to_dict().items()
-                      if k not in RESUME_MAY_CHANGE and saved.to_dict().get(k) != v]
-        if mismatched:
-            raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
-                             f"use the original settings or a new --out-dir")
-        if checkpoint["step"] >= cfg.steps:
-            raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
-                             f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
+    out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus)
 
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend)).to(device)
