@@ -212,3 +212,52 @@ def test_fp8_combine_forward_bit_equal_backward_reads_mxfp8_y():
     ww = w.clone().requires_grad_(True)
     combine_weighted(yq, order, ww, None).backward(dy)
     assert torch.equal(dw1, ww.grad)
+
+
+def test_float32_activations_take_the_composed_path():
+    """The fused op is bf16-only (float32 would be rounded to bf16 before its MXFP8
+    rounding): a fused layer given float32 activations runs the composed path, bit for bit,
+    and the op itself refuses them."""
+    torch.manual_seed(3)
+    m1 = MoELayer(64, 4, 2, 64, 2, REF, fused=True)
+    m2 = MoELayer(64, 4, 2, 64, 2, REF, fused=False)
+    m2.load_state_dict(m1.state_dict())
+    x = torch.randn(30, 64)
+    res = []
+    for m in (m1, m2):
+        xx = x.clone().requires_grad_(True)
+        y, _ = m(xx)
+        y.pow(2).sum().backward()
+        res.append((y, xx.grad, m.experts.w13.grad, m.experts.w2.grad, m.router.weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*res))
+    src, offs = routing(30, 2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        me.mx_moe_experts(x, src, offs, m1.experts.w13, m1.experts.w2, REF)
+
+
+@pytest.mark.parametrize("case", ["offsets short of A", "token counts uneven"])
+def test_fused_op_checks_routing_on_cpu(case):
+    """Broken routing is refused on the CPU (rows past offsets[-1] would come back
+    uninitialized; uneven token counts would sum the wrong rows into dx)."""
+    m = MoELayer(64, 4, 2, 64, 2, REF, fused=True)
+    x = torch.randn(8, 64).bfloat16()
+    src, offs = routing(8, 2)
+    if case == "offsets short of A":
+        offs = offs.clone()
+        offs[-1] -= 1
+    else:
+        src = src.clone()
+        src[torch.nonzero(src == 1)[0, 0]] = 0  # token 0 now appears 3 times, token 1 once
+    with pytest.raises(ValueError):
+        me.mx_moe_experts(x, src, offs, m.experts.w13, m.experts.w2, REF)
+
+
+def test_double_backward_is_refused():
+    """Second derivatives through the quantizers mean nothing: the fused op and the
+    MXFP8-saving combine refuse them instead of returning numbers."""
+    m = MoELayer(64, 4, 2, 64, 2, REF, fused=True)
+    x = torch.randn(8, 64).bfloat16().requires_grad_(True)
+    y, _ = m(x)
+    (g,) = torch.autograd.grad(y.float().pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.float().sum().backward()

@@ -55,9 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..moe.layer import MoEAux, MoELayer, SwiGLUExperts, combine_weighted
+from ..moe.layer import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused
 from ..ops.moe_experts import mx_moe_experts
-from ..ops.sm100 import use_native_mx_grouped_mm
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor, quantize_mx
 from ..recipe import Recipe
@@ -260,14 +259,15 @@ class ExpertParallelMoELayer(nn.Module):
         offsets_L = torch.cumsum(recv_counts_PL.sum(dim=0), 0).to(device=device, dtype=torch.int32)
         # 3. local experts, rows in (local expert, global token) order (the same rows in the
         # same order as the single-process layer's experts see)
-        if self.fused and not use_native_mx_grouped_mm(x_RD.device, self.recipe):
+        fused = runs_fused(self.fused, self.recipe, x_RD)
+        if fused:
             y_local_RD = mx_moe_experts(x_RD, perm_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe)
         else:
             y_local_RD = self.experts(x_RD.index_select(0, perm_R), offsets_L, self.recipe)
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
         y_sorted_AD = AllToAllRows.apply(y_RD, send_splits, recv_splits, self.group, self.comm_stats, "combine")
-        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if self.fused else None)
+        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if fused else None)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self.recipe)
         self.last_tokens_per_expert = counts_global_E.to(device)

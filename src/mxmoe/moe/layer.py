@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from ..ops import mx_grouped_mm, mx_linear
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
@@ -179,6 +180,7 @@ class _CombineFP8(torch.autograd.Function):
         return y_TD
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy_TD: Tensor):
         q, s, order_A, w_Tk = ctx.saved_tensors
         recipe, D, w_dtype = ctx.meta
@@ -251,6 +253,15 @@ class SwiGLU(nn.Module):
         return mx_linear(F.silu(gate) * up, self.w2, recipe)
 
 
+def runs_fused(fused: bool, recipe: Recipe, x: Tensor) -> bool:
+    """Whether a layer built with ``fused`` runs this forward through the fused MXFP8 expert
+    op: bf16 activations only (the op's GEMMs and saved copies are bf16-based; float32 or
+    float16 activations would be rounded to bf16 before their MXFP8 rounding, a second
+    rounding the composed path does not make), and not on sm100, where
+    :func:`~mxmoe.ops.mx_grouped_mm` runs MXFP8 natively."""
+    return fused and x.dtype == torch.bfloat16 and not use_native_mx_grouped_mm(x.device, recipe)
+
+
 @dataclass
 class MoEAux:
     """Auxiliary outputs of one MoE layer forward.
@@ -275,7 +286,8 @@ class MoELayer(nn.Module):
             SwiGLU shared expert of that width whose output is added to every token.
         recipe: precision of the expert (and shared expert) GEMMs. The router always runs
             in float32.
-        fused: under an MXFP8 recipe (and D, F multiples of 32) run the experts as the
+        fused: under an MXFP8 recipe (D, F multiples of 32, bf16 activations: see
+            :func:`runs_fused`) run the experts as the
             fused op :func:`~mxmoe.ops.moe_experts.mx_moe_experts` (gather fused with
             quantization, FP8 activations saved for the backward); False composes two
             :func:`~mxmoe.ops.mx_grouped_mm` calls and a bf16 SwiGLU.
@@ -319,8 +331,8 @@ class MoELayer(nn.Module):
         counts_E = torch.bincount(experts_A, minlength=self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_in_TD = mx_round_rows(x_TD, self.recipe) if self.mx_dispatch else x_TD
-        # sm100 runs MXFP8 natively through mx_grouped_mm; the fused op targets sm90 and the CPU
-        if self.fused and not use_native_mx_grouped_mm(x_TD.device, self.recipe):
+        fused = runs_fused(self.fused, self.recipe, x_TD)
+        if fused:
             # the gather happens inside the op, fused with quantization
             y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
                                          self.recipe)
@@ -330,7 +342,7 @@ class MoELayer(nn.Module):
             y_sorted_AD = self.experts(x_sorted_AD, offsets_E, self.recipe)
         # combine: undo the permutation, weight each choice, sum over k (the fused MXFP8 path
         # keeps the per-choice outputs for backward as MXFP8)
-        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if self.fused else None)
+        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if fused else None)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self.recipe)
         self.last_tokens_per_expert = counts_E.detach()

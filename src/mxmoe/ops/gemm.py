@@ -40,13 +40,18 @@ _ALIGN_BYTES = 16
 
 
 def _aligned(t: Tensor) -> bool:
-    """2-D / 3-D operand with a unit stride in one of its last two dims and every other
-    stride a positive multiple of 16 bytes (torch._grouped_mm's rule)."""
+    """2-D / 3-D operand with a unit stride in one of its last two dims (the contiguous one)
+    and every other stride a positive multiple of 16 bytes (torch._grouped_mm's rule).
+    Only that one dim is exempt: a size-1 dim also has stride 1, and its stride still
+    counts (an operand (T, 1) has strides (1, 1) and is not aligned)."""
     strides = t.stride()
-    inner = strides[-2:]
-    if 1 not in inner:
+    if strides[-1] == 1:
+        inner = t.dim() - 1
+    elif strides[-2] == 1:
+        inner = t.dim() - 2
+    else:
         return False
-    return all(s > 0 and (s * t.element_size()) % _ALIGN_BYTES == 0 for s in strides if s != 1)
+    return all(s > 0 and (s * t.element_size()) % _ALIGN_BYTES == 0 for i, s in enumerate(strides) if i != inner)
 
 
 def _use_grouped_mm(*operands: Tensor) -> bool:

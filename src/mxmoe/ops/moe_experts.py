@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
@@ -143,6 +144,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
+    @once_differentiable  # the quantizers have no useful second derivative: refuse double backward
     def backward(ctx, dy_AD: Tensor):
         w13, w2, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
@@ -199,12 +201,25 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
-        ValueError: unsupported recipe or shapes.
+        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU also
+            offsets[-1] != A or a token not appearing exactly k times (on CUDA these
+            preconditions are not checked: it would cost a host sync).
     """
     E, F2, D = w13_E2FD.shape
     if not supports_fused_experts(D, F2 // 2, recipe):
         raise ValueError(f"the fused MXFP8 expert op needs an FP8 recipe with block 32, no high-precision wgrad, "
                          f"and D, F multiples of 32; got recipe {recipe.name!r}, D={D}, F={F2 // 2}")
-    if x_TD.shape[0] and src_A.numel() % x_TD.shape[0]:
-        raise ValueError(f"src_A has {src_A.numel()} rows, not a multiple of T={x_TD.shape[0]}")
+    if x_TD.dtype != torch.bfloat16:
+        raise ValueError(f"the fused MXFP8 expert op takes bfloat16 activations, got {x_TD.dtype} "
+                         f"(float32/float16 would be rounded to bf16 before MXFP8); use mx_grouped_mm")
+    T, A = x_TD.shape[0], src_A.numel()
+    if (T == 0) != (A == 0) or (T and A % T):
+        raise ValueError(f"src_A has {A} rows, not a multiple of T={T}")
+    if x_TD.device.type == "cpu" and A:  # free here; on CUDA reading them back would sync
+        k = A // T
+        if int(offsets_E[-1]) != A:
+            raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} but src_A has {A} rows: every row must "
+                             f"belong to an expert")
+        if not bool((torch.bincount(src_A, minlength=T) == k).all()):
+            raise ValueError(f"every token must appear exactly k = {k} times in src_A")
     return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
