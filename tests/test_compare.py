@@ -195,7 +195,10 @@ def test_plan_reuse_needs_the_same_settings(tmp_path):
     plans = plan_runs(cfg, ("bf16", "mxfp8", "mxfp8-floor"), tmp_path, reuse=True)
     assert [(p.recipe, p.action) for p in plans] == [("bf16", "reuse"), ("mxfp8", "resume"), ("mxfp8-floor", "train")]
     assert all(p.cfg.out_dir == str(tmp_path / p.recipe) and p.cfg.recipe == p.recipe for p in plans)
-    assert [p.action for p in plan_runs(cfg, ("bf16",), tmp_path, reuse=False)] == ["train"]
+    with pytest.raises(ValueError, match="already holds a bf16 run: pass --reuse.*--overwrite"):
+        plan_runs(cfg, ("bf16",), tmp_path, reuse=False)  # a new comparison over a finished run
+    assert [p.action for p in plan_runs(dataclasses.replace(cfg, overwrite=True), ("bf16",), tmp_path,
+                                        reuse=False)] == ["train"]
     with pytest.raises(ValueError, match="other settings than asked for: lr=0.001 \\(asked 0.003\\)"):
         plan_runs(dataclasses.replace(cfg, lr=3e-3), ("bf16",), tmp_path, reuse=True)
     for steps in (20, 80):  # a shorter or extended run has another lr schedule

@@ -251,8 +251,10 @@ def test_a_refused_run_leaves_an_existing_run_alone(tmp_path, text_file):
     out = tmp_path / "run"
     train(tiny_config(out, text_file, steps=3))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="already holds a run.*--resume.*--overwrite"):  # a new run over it
+        train(tiny_config(out, text_file, steps=3))
     with pytest.raises(ValueError, match="fewer than seq_len"):
-        train(tiny_config(out, text_file, steps=3, seq_len=100_000, model=ModelConfig(
+        train(tiny_config(out, text_file, steps=3, overwrite=True, seq_len=100_000, model=ModelConfig(
             d_model=64, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=64, max_seq_len=100_000)))
     with pytest.raises(ValueError, match="at step 3, the run has --steps 3: nothing to do"):
         train(tiny_config(out, text_file, steps=3), resume=True)
@@ -261,6 +263,14 @@ def test_a_refused_run_leaves_an_existing_run_alone(tmp_path, text_file):
     file_path.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         train(tiny_config(file_path, text_file, steps=3))
+
+
+def test_overwrite_replaces_a_run(tmp_path, text_file):
+    out = tmp_path / "run"
+    train(tiny_config(out, text_file, steps=3))
+    r = train(tiny_config(out, text_file, steps=2, overwrite=True))
+    assert r.steps == 2 and load_checkpoint(out)["step"] == 2
+    assert [m["step"] for m in read_metrics(out) if m["kind"] == "train"] == [1, 2]
 
 
 def test_resume_may_extend_the_run(tmp_path, text_file):

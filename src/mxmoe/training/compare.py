@@ -33,7 +33,7 @@ from typing import Any
 from ..recipe import RECIPES
 from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes
 from .data import Corpus, eval_batches, load_corpus
-from .trainer import CONFIG_NAME, METRICS_NAME, TrainConfig, resolve_device
+from .trainer import CONFIG_NAME, METRICS_NAME, TrainConfig, holds_run, resolve_device
 
 BASELINE_RECIPE = "bf16"
 RESULT_NAME = "result.json"
@@ -60,7 +60,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 # have been written somewhere else, on another device name, with another quantizer
 # backend, which gives the same bits, or with other checkpoint intervals). Not --steps: a
 # run extended to more steps has another learning-rate schedule than a run of that length.
-REUSE_MAY_DIFFER = ("recipe", "out_dir", "device", "progress", "quant_backend", "ckpt_interval")
+REUSE_MAY_DIFFER = ("recipe", "out_dir", "device", "progress", "quant_backend", "ckpt_interval", "overwrite")
 
 
 def parse_recipes(text: str) -> tuple[str, ...]:
@@ -139,15 +139,19 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
     trained anew.
 
     Raises:
-        ValueError: with ``reuse``, a run in OUT whose settings differ.
+        ValueError: with ``reuse``, a run in OUT whose settings differ; without ``reuse``
+            or ``cfg.overwrite``, a recipe directory that already holds a run.
     """
     plans = []
     for recipe in recipes:
         rcfg = recipe_config(cfg, recipe, out_root)
         run_dir = Path(rcfg.out_dir)
+        if not reuse and not cfg.overwrite and holds_run(run_dir):
+            raise ValueError(f"{str(run_dir)!r} already holds a {recipe} run: pass --reuse to reuse or resume it, "
+                             f"--overwrite to train it anew, or another --out-dir")
         config = _read_json(run_dir / CONFIG_NAME) if reuse else None
         if config is None:
-            plans.append(Plan(recipe, rcfg, "train"))
+            plans.append(Plan(recipe, dataclasses.replace(rcfg, overwrite=True) if reuse else rcfg, "train"))
             continue
         saved = config["train"]
         diff = _settings_diff(saved, rcfg.to_dict())
@@ -160,8 +164,8 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
             plans.append(Plan(recipe, rcfg, "reuse"))
         elif (run_dir / CHECKPOINT_NAME).exists():
             plans.append(Plan(recipe, rcfg, "resume"))
-        else:
-            plans.append(Plan(recipe, rcfg, "train"))
+        else:  # started, stopped before its first checkpoint: train it anew
+            plans.append(Plan(recipe, dataclasses.replace(rcfg, overwrite=True), "train"))
     return plans
 
 

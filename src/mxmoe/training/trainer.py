@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..model import ModelConfig, MoETransformer
 from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
+from .checkpoint import CHECKPOINT_NAME, MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
 from .data import Corpus, eval_batches, load_corpus, random_batch
 
 METRICS_NAME = "metrics.jsonl"
@@ -33,7 +33,8 @@ CONFIG_NAME = "config.json"
 _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
-RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend")
+RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend",
+                     "overwrite")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class TrainConfig:
         data: corpus path (None: the Python standard library).
         device: "auto" (cuda if available), "cpu", "cuda" or "cuda:N".
         progress: show a progress bar.
+        overwrite: start anew in an ``out_dir`` that holds a run (its files are replaced);
+            otherwise such a run is refused unless resuming.
         expert_parallel: P > 1 spreads the experts over P ranks (run under torchrun, one
             process per rank; :mod:`mxmoe.distributed`); each rank takes batch_size / P
             sequences of every batch.
@@ -83,6 +86,7 @@ class TrainConfig:
     data: str | None = None
     device: str = "auto"
     progress: bool = True
+    overwrite: bool = False
     expert_parallel: int = 1
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -233,6 +237,11 @@ class PreparedRun(NamedTuple):
     checkpoint: dict | None
 
 
+def holds_run(out: Path) -> bool:
+    """``out`` has a run's metrics or checkpoint in it."""
+    return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists()
+
+
 def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
                 check_checkpoint: Callable[[TrainConfig, dict, Path], None] | None = None) -> PreparedRun:
     """Everything that can refuse a run, checked before any file is touched: the output
@@ -241,7 +250,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
     checkpoint, out)`` first, if given, then the settings and the step against ``cfg``).
 
     Raises:
-        ValueError: ``out_dir`` is a file; the corpus has ids past ``vocab_size``; a split
+        ValueError: ``out_dir`` is a file, or holds a run and neither ``resume`` nor
+            ``cfg.overwrite``; the corpus has ids past ``vocab_size``; a split
             shorter than seq_len + 1 tokens; a checkpoint with other settings or already
             at ``cfg.steps``.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
@@ -249,6 +259,9 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
+    if not resume and not cfg.overwrite and holds_run(out):
+        raise ValueError(f"--out-dir {str(out)!r} already holds a run ({METRICS_NAME} / {CHECKPOINT_NAME}); "
+                         f"pass --resume to continue it, --overwrite to replace it, or another --out-dir")
     if corpus is None:
         corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
