@@ -341,3 +341,11 @@ def test_preset_train_run_uses_explicit_overrides(tmp_path, text_file, capsys):
     assert (t["model"]["d_model"], t["steps"], t["batch_size"]) == (64, 2, 4)  # given
     assert "preset h200 (overridden by flags:" in capsys.readouterr().out
     assert math.isfinite(read_metrics(out / "metrics.jsonl")[-1]["val_loss"])
+
+
+def test_compare_refuses_expert_parallel(tmp_path, text_file):
+    """compare runs each recipe in one process: --expert-parallel is refused before any work."""
+    out = tmp_path / "cmp"
+    assert main(["compare", *TINY_FLAGS, "--data", str(text_file), "--out-dir", str(out), "--recipes", "bf16",
+                 "--expert-parallel", "2"]) == 2
+    assert not out.exists()

@@ -102,7 +102,8 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval,
                    help="checkpoint every n steps, 0 for only at the end (default: %(default)s)")
     g.add_argument("--out-dir", default=d.out_dir,
-                   help="output directory: config.json, metrics.jsonl, checkpoint.pt (default: %(default)s)")
+                   help="output directory: config.json, metrics.jsonl, checkpoint.pt (compare: report.md, "
+                        "loss.png and one such directory per recipe) (default: %(default)s)")
     if not compare:
         g.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")

@@ -220,6 +220,10 @@ def run_compare(cfg: TrainConfig, recipes: tuple[str, ...], out_root: str | Path
     if not recipes:
         raise ValueError("no recipes given; pass --recipes such as bf16,mxfp8")
     parse_recipes(",".join(recipes))
+    if cfg.expert_parallel > 1:
+        raise ValueError(f"mxmoe compare trains each recipe in one process and cannot launch --expert-parallel "
+                         f"{cfg.expert_parallel}; run `torchrun ... mxmoe train --expert-parallel "
+                         f"{cfg.expert_parallel}` once per recipe instead")
     if corpus is None:
         corpus = load_corpus(cfg.data)
     for recipe in recipes:
@@ -482,7 +486,7 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
     lines += ["", "## How the numbers are measured", ""]
     lines.append(f"- Losses are cross entropy in nats per token. Final train loss: the last step's batch (the same "
                  f"batch for every recipe). Final val loss: the evaluation after the last step, "
-                 f"{t['eval_batches']} fixed batches of the validation split. Gaps: (recipe - bf16) / bf16.")
+                 f"{t['eval_batches']} fixed batch{'es' if t['eval_batches'] != 1 else ''} of the validation split. Gaps: (recipe - bf16) / bf16.")
     lines.append(f"- ms/step: mean wall time of the training steps after step {WARMUP_STEPS_SKIPPED} (forward, "
                  f"backward, optimizer; evaluations and checkpoints not included); tokens/s = "
                  f"{t['batch_size']} x {t['seq_len']} tokens / that mean; speedup = tokens/s over bf16's.")
@@ -611,7 +615,9 @@ def build_report(out_root: str | Path, recipes: tuple[str, ...] | None = None,
             (runs if s.finished else unfinished).append(s)
         if not runs:
             raise ValueError(f"no finished run in {str(out_root)!r}"
-                             + (f" (unfinished: {', '.join(r.recipe for r in unfinished)})" if unfinished else ""))
+                             + (f" (unfinished: {', '.join(r.recipe for r in unfinished)})" if unfinished else "")
+                             + ": mxmoe report reads the --out-dir of mxmoe compare, one <recipe>/ directory per "
+                               "recipe, each finished (result.json)")
     else:
         runs = [summarize_run(out_root / r) for r in recipes]
         for r in runs:
