@@ -361,3 +361,17 @@ def test_kernel_op_argument_errors():
         kq.dequantize_rowwise(q, s.view(torch.uint8).float())
     with pytest.raises(ValueError, match="1-D int32 \\(or int64\\)"):
         kq.quantize_grouped_colwise(x[:, :32], torch.tensor([1.0, 64.0], device=DEV))
+
+
+@pytest.mark.parametrize("end", [0, 1, 31, 32, 70, 100])  # no row / one / a tile edge / all rows in a group
+def test_zero_rows_past_end_kernel(end):
+    """The in-place tail zeroing of GEMM outputs reads offsets[-1] on the device and zeroes
+    exactly the rows at and past it (whole tiles below it are skipped)."""
+    from mxmoe.kernels.rows import zero_rows_past_end_
+
+    out = torch.randn(100, 300, device=DEV).to(torch.bfloat16)
+    want = out.clone()
+    want[end:] = 0
+    offsets = torch.tensor([min(end, 5), end], dtype=torch.int32, device=DEV)
+    got = zero_rows_past_end_(out, offsets)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), want.cpu())

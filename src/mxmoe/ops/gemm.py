@@ -91,11 +91,20 @@ def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+@functools.cache
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
     """x with the rows at and past offsets_E[-1] set to zero (x itself if there are none).
 
-    On CUDA a mask keeps this free of host synchronization; on the CPU reading the last
-    offset costs nothing and the common case (every row in a group) is a no-op.
+    On CUDA this stays free of host synchronization: a contiguous 2-D x (the GEMM outputs
+    here, which nothing else references yet) is zeroed in place by a kernel that reads the
+    last offset on the device (:mod:`mxmoe.kernels.rows`), other layouts through a mask. On
+    the CPU reading the last offset costs nothing and the common case is a no-op.
     """
     T = x_TC.shape[0]
     if offsets_E.numel() == 0:
@@ -107,6 +116,11 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
         out = x_TC.clone()
         out[n:] = 0
         return out
+    if x_TC.device.type == "cuda" and x_TC.is_contiguous() and x_TC.dim() == 2 and _triton_available():
+        # an output fresh from the GEMM: zero its tail in place, moving no data when there is none
+        from ..kernels.rows import zero_rows_past_end_
+
+        return zero_rows_past_end_(x_TC, offsets_E)
     keep = torch.arange(T, device=x_TC.device) < offsets_E[-1].to(torch.int64)
     return torch.where(keep.unsqueeze(1), x_TC, torch.zeros((), dtype=x_TC.dtype, device=x_TC.device))
 
