@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_quantize import _dequantized, _from_float32, _quantize_values, _scale_exponent, _to_float32
+from .triton_quantize import (_abs_bits, _decode_blocks, _dequantized, _from_float32, _quantize_values,
+                              _row_block_scales, _scale_bits, _to_float32)
 
 
 @triton.jit
@@ -25,33 +26,9 @@ def _row_blocks_qdq(x, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.cons
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x (BLOCK_R, BLOCK_C) float32, blocks of 32 along C -> (codes uint8, scale bytes
     (BLOCK_R, BLOCK_C // 32) uint8, dequantized float32)."""
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    amax = tl.max(tl.reshape(abs_bits, (BLOCK_R, BLOCK_C // 32, 32)), axis=2)
-    e, nf = _scale_exponent(amax, ELEM, MODE)
-    e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-    nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    e, nf, e_x, nf_x = _row_block_scales(_abs_bits(x), ELEM, MODE, BLOCK_R, BLOCK_C)
     r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
-    sbits = tl.where(nf, 255, e + 127).to(tl.uint8)
-    return codes, sbits, _dequantized(r, e_x, nf_x)
-
-
-@triton.jit
-def _decode(codes, sbits, ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr,
-            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """FP8 codes (BLOCK_R, BLOCK_C) uint8 and scale bytes (BLOCK_R, BLOCK_C // 32) -> float32."""
-    if ELEM == 0:
-        elems = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if SOFT_CASTS:
-            elems = tl.where((codes & 0x7F) == 0x7F, float("nan"), elems)
-    else:
-        elems = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
-        if SOFT_CASTS:
-            special = (codes & 0x7C) == 0x7C
-            inf = tl.where((codes & 0x80) != 0, float("-inf"), float("inf"))
-            elems = tl.where(special, tl.where((codes & 0x03) == 0, inf, float("nan")), elems)
-    sb = sbits.to(tl.int32)
-    sb_x = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-    return _dequantized(elems, sb_x - 127, sb_x == 255)
+    return codes, _scale_bits(e, nf), _dequantized(r, e_x, nf_x)
 
 
 @triton.jit
@@ -118,9 +95,9 @@ def _swiglu_bwd_kernel(
     scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     s_mask = (rows < A)[:, None] & (scols < F // 32)[None, :]
     s_off = rows[:, None] * (2 * F // 32) + scols[None, :]
-    g = _decode(tl.load(hq_ptr + g_off, mask=mask, other=0), tl.load(hs_ptr + s_off, mask=s_mask, other=127),
+    g = _decode_blocks(tl.load(hq_ptr + g_off, mask=mask, other=0), tl.load(hs_ptr + s_off, mask=s_mask, other=127),
                 ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
-    u = _decode(tl.load(hq_ptr + g_off + F, mask=mask, other=0),
+    u = _decode_blocks(tl.load(hq_ptr + g_off + F, mask=mask, other=0),
                 tl.load(hs_ptr + s_off + F // 32, mask=s_mask, other=127), ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
     da = _to_float32(tl.load(dact_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
     s = _sigmoid(g)

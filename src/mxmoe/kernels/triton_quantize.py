@@ -415,14 +415,10 @@ def _mx_grouped_col_kernel(
 
 
 @triton.jit
-def _mx_dequant_kernel(
-    q_ptr, s_ptr, out_ptr, n_rows, n_cols,  # codes (rows, cols), scales (rows, cols / 32)
-    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    codes = tl.load(q_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0)
+def _decode_blocks(codes, sbits, ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """FP8 codes (BLOCK_R, BLOCK_C) uint8 and their scale bytes (BLOCK_R, BLOCK_C // 32),
+    blocks along the columns -> values float32 (NaN for scale 255 and FP8 NaN codes)."""
     if ELEM == 0:
         elems = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if SOFT_CASTS:  # the interpreter decodes S.1111.111 as a number
@@ -433,11 +429,24 @@ def _mx_dequant_kernel(
             special = (codes & 0x7C) == 0x7C
             inf = tl.where((codes & 0x80) != 0, float("-inf"), float("inf"))
             elems = tl.where(special, tl.where((codes & 0x03) == 0, inf, float("nan")), elems)
+    sb = sbits.to(tl.int32)
+    sb_x = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
+    return _dequantized(elems, sb_x - 127, sb_x == 255)
+
+
+@triton.jit
+def _mx_dequant_kernel(
+    q_ptr, s_ptr, out_ptr, n_rows, n_cols,  # codes (rows, cols), scales (rows, cols / 32)
+    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    codes = tl.load(q_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0)
     scols = tl.program_id(0) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     sbits = tl.load(s_ptr + rows[:, None] * (n_cols // 32) + scols[None, :],
-                    mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127).to(tl.int32)
-    sb_x = tl.reshape(tl.broadcast_to(sbits[:, :, None], (BLOCK_R, BLOCK_C // 32, 32)), (BLOCK_R, BLOCK_C))
-    value = _dequantized(elems, sb_x - 127, sb_x == 255)
+                    mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127)
+    value = _decode_blocks(codes, sbits, ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
 
 
