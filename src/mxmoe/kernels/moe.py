@@ -18,7 +18,7 @@ import triton
 from torch import Tensor
 
 from . import triton_moe as km
-from .quantize import _codes, _grouped_launch, _launch_settings, interpreting
+from .quantize import _check_tensor, _codes, _grouped_launch, _launch_settings, interpreting
 
 BLOCK = 32
 # (rows, columns) per program and warps, on the GPU and under the interpreter
@@ -34,8 +34,7 @@ def _tile(kind: str) -> tuple[int, int, int]:
 
 
 def _check(t: Tensor, name: str, width: int) -> None:
-    if t.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{name} is on {t.device}; the fused MoE kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    _check_tensor(t, name)  # float32/bfloat16, on CUDA (or the interpreter)
     if width % BLOCK:
         raise ValueError(f"{name}'s blocked width is {width}, not a multiple of {BLOCK}")
 

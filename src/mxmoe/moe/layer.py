@@ -156,6 +156,16 @@ def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
     return _MXRoundRows.apply(x_TD, recipe)
 
 
+def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(y_AD in (token, choice) order, weights in y's dtype (T, k), y_TD): the combine's
+    arithmetic, shared by the plain and the MXFP8-saving paths."""
+    T, k = weights_Tk.shape
+    D = y_sorted_AD.shape[1]
+    y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
+    w_Tk = weights_Tk.to(y_AD.dtype)
+    return y_AD, w_Tk, (y_AD.view(T, k, D) * w_Tk.unsqueeze(-1)).sum(dim=1)
+
+
 class _CombineFP8(torch.autograd.Function):
     """The weighted combine with the per-choice outputs kept for backward as MXFP8.
 
@@ -168,11 +178,8 @@ class _CombineFP8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, recipe: Recipe) -> Tensor:
-        T, k = weights_Tk.shape
         D = y_sorted_AD.shape[1]
-        y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
-        w_Tk = weights_Tk.to(y_AD.dtype)
-        y_TD = (y_AD.view(T, k, D) * w_Tk.unsqueeze(-1)).sum(dim=1)
+        y_AD, w_Tk, y_TD = _combine(y_sorted_AD, order_A, weights_Tk)
         mx = quantize_mx(y_AD, recipe.fmt, block_size=recipe.block_size, dim=1, scale_mode=recipe.scale_mode,
                          pad=True, backend=recipe.backend)
         ctx.save_for_backward(mx.qdata, mx.scale, order_A, w_Tk)
@@ -209,10 +216,7 @@ def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, f
     """
     if fp8_recipe is not None:
         return _CombineFP8.apply(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
-    T, k = weights_Tk.shape
-    D = y_sorted_AD.shape[1]
-    y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
-    return (y_AD.view(T, k, D) * weights_Tk.to(y_AD.dtype).unsqueeze(-1)).sum(dim=1)
+    return _combine(y_sorted_AD, order_A, weights_Tk)[2]
 
 
 class SwiGLUExperts(nn.Module):

@@ -52,14 +52,14 @@ BLOCK = 32
 GEMM_DTYPE = torch.bfloat16  # operand dtype of the grouped GEMMs (exact for MXFP8 values)
 
 
-def _triton(recipe: Recipe, t: Tensor) -> bool:
-    return use_triton(t.device, t.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size, recipe.backend)
+def _triton(recipe: Recipe, device: torch.device, dtype: torch.dtype = GEMM_DTYPE) -> bool:
+    return use_triton(device, dtype, ElemFormat.parse(recipe.fmt), recipe.block_size, recipe.backend)
 
 
 def gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, recipe: Recipe) -> Tensor:
     """(A, D) bf16: x[src[a]] quantized to MXFP8 along D and dequantized (the forward
     GEMM operand), the gather fused into the quantizer's read on the Triton path."""
-    if _triton(recipe, x_TD):
+    if _triton(recipe, x_TD.device, x_TD.dtype):
         from ..kernels.moe import triton_gather_fake_quantize_rows
 
         return triton_gather_fake_quantize_rows(x_TD, src_A, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
@@ -70,7 +70,7 @@ def quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, reci
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """x[src] quantized along tokens, each expert's tokens in their own blocks: codes
     (D, Ap), E8M0 scales (D, Ap / 32), padded offsets (E,) int32."""
-    if _triton(recipe, x_TD):
+    if _triton(recipe, x_TD.device, x_TD.dtype):
         from ..kernels.moe import triton_quantize_grouped_gather
 
         return triton_quantize_grouped_gather(x_TD, src_A, offsets_E, recipe.fmt, recipe.scale_mode)
@@ -84,7 +84,7 @@ def _silu_f32(g: Tensor) -> Tensor:
 def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tensor]:
     """act = silu(gate) * up in float32, quantized to MXFP8 along F and dequantized to bf16
     (A, F); h's codes (A, 2F) and E8M0 scales (A, 2F / 32), blocks along F."""
-    if _triton(recipe, h_A2F):
+    if _triton(recipe, h_A2F.device, h_A2F.dtype):
         from ..kernels.moe import triton_swiglu_quantize
 
         return triton_swiglu_quantize(h_A2F, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
@@ -100,7 +100,7 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
 def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor]:
     """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
     recomputed act (A, F), both bf16, float32 math on the dequantized gate and up."""
-    if _triton(recipe, dact_AF):
+    if _triton(recipe, dact_AF.device, dact_AF.dtype):
         from ..kernels.moe import triton_swiglu_backward
 
         return triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE)
@@ -122,7 +122,7 @@ def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
     C, Ap = q.shape
     mx = MXTensor(qdata=q, scale=s, fmt=ElemFormat.parse(recipe.fmt), block_size=BLOCK, dim=1,
                   scale_mode=recipe.scale_mode, orig_size=Ap)
-    backend = "triton" if _triton(recipe, torch.empty(0, device=q.device, dtype=torch.bfloat16)) else "reference"
+    backend = "triton" if _triton(recipe, q.device) else "reference"
     return dequantize_mx(mx, GEMM_DTYPE, backend=backend)
 
 
@@ -189,7 +189,7 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
 
     Args:
-        x_TD: (T, D) float32/bfloat16 token activations (not permuted).
+        x_TD: (T, D) bfloat16 token activations (not permuted).
         src_A: (A,) int64, the token of each routed row, rows sorted by expert; every token
             appears exactly k = A / T times.
         offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A (every row
