@@ -58,9 +58,10 @@ def test_gather_quantize_rows_triton_equals_reference():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: gathered first, byte kernel
 @pytest.mark.parametrize("sizes", [[10, 0, 45, 25], [80, 0, 0, 0]])  # an empty expert; all rows to one
-def test_grouped_gather_triton_equals_reference(sizes):
-    x = spread(40, 64, 1).to(torch.bfloat16).to(DEV)
+def test_grouped_gather_triton_equals_reference(sizes, dtype):
+    x = spread(40, 64, 1).to(dtype).to(DEV)
     src, offs = routing(40, 2, sizes_E=sizes)
     q, s, po = me.quantize_grouped_gather(x, src.to(DEV), offs.to(DEV), TRI)
     rq, rs, rpo = torch_quantize_grouped_dim0(x.cpu().index_select(0, src), offs)

@@ -110,11 +110,13 @@ def _as_3d(x: Tensor) -> Tensor:
 
 def _launch_settings(kind: str) -> dict:
     """TUNING for ``kind``; under the interpreter: large tiles, float32-arithmetic
-    rounding (its float8 cast does not break ties to even) and exact bit-level casts."""
+    rounding (its float8 cast does not break ties to even) and exact bit-level casts, with
+    the kind's kernel switches (``enabled``, ``codes``) kept as set."""
     common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
+        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes")}
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
-                "hw_round": False, "soft_casts": True, "enabled": TUNING[kind].get("enabled", True), **common}
+                "hw_round": False, "soft_casts": True, "enabled": True, **switches, **common}
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
 
 
@@ -351,9 +353,9 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
         cfg = _launch_settings("grouped_t4")
-        t4_ok = cfg["enabled"] and x.dtype == torch.bfloat16 and (dq_dtype is not None or TUNING["grouped_t4"]["codes"])
-        if src is not None and x.dtype != torch.bfloat16:  # gather first, then the byte kernel
-            x, src, T = x.index_select(0, src.to(torch.int64)), None, src.numel()
+        t4_ok = cfg["enabled"] and x.dtype == torch.bfloat16 and (dq_dtype is not None or cfg["codes"])
+        if src is not None and x.dtype != torch.bfloat16:  # gather first (T already counts it), then the byte kernel
+            x, src = x.index_select(0, src.to(torch.int64)), None
         if t4_ok or src is not None:
             block_c = cfg["block_c"]
             tk._mx_grouped_col_t4_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
