@@ -143,6 +143,9 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, env: DistEnv) 
     device, P, main = env.device, env.world_size, env.is_main
     progress = cfg.progress and main
     out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus, check_checkpoint=_check_ranks)
+    # every rank has checked the out-dir (a run already there is refused by all of them alike)
+    # before rank 0 writes into it below
+    dist.barrier()
 
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))
