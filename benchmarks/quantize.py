@@ -127,18 +127,40 @@ def sweep() -> dict:
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
-    best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": True} for b in (64, 128, 256)
-                                  for w in (4, 8)],
+    # hw_round 1: Triton's float8 cast; 2: the PTX that also packs codes and applies the NaN rule
+    best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": h} for h in (1, 2)
+                                  for b in (128, 256) for w in (4, 8)],
                          lambda: kq.quantize_rowwise(x))
-    # transposing kernels: the pack-before-transpose kernels (enabled) against the byte
-    # kernels they replace (enabled False: the "colwise" / "grouped" settings)
-    best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
-                              for t in ((32, 128), (64, 64), (64, 128), (128, 64)) for w in (4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
+    # transposing kernels: t8 (8 x 8 patches per thread, one warp per 32-row group), then
+    # t4 (quarter reads, shared-memory transpose of words) with t8 off
+    best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": False}
+                              for t in ((64, 64), (32, 128))]
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m}
+                          for t in ((128, 64), (256, 64)) for m in (None, 128, 120, 112)]
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None}
+                          for t in ((64, 128), (128, 128))],
                        lambda: kq.quantize_rowcol(x))
-    best["grouped_t4"] = _pick("grouped_t4", [{"block_c": b, "num_warps": w, "enabled": True}
-                                              for b in (128, 256, 512) for w in (4, 8)]
-                               + [{"block_c": 128, "num_warps": 4, "enabled": False}],
+    t8_best = dict(kq.TUNING["t8"])
+    kq.TUNING["t8"] = {**t8_best, "enabled": False}
+    best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
+                              for t in ((64, 64), (128, 64)) for w in (4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
+                       lambda: kq.quantize_rowcol(x))
+    kq.TUNING["t8"] = t8_best
+    best["grouped_t8"] = _pick("grouped_t8", [{"block_t": t, "block_c": c, "num_warps": t // 32, "enabled": True,
+                                               "staged": st}
+                                              for st, t, c in ((False, 128, 64), (True, 128, 64), (True, 256, 64))]
+                               + [{"block_t": t, "block_c": 64, "num_warps": t // 32, "enabled": True, "staged": True,
+                                   "maxnreg": m} for t in (128, 256) for m in (128, 120, 112)]
+                               + [{"block_t": 64, "block_c": 64, "num_warps": 2, "enabled": False, "staged": False}],
                                lambda: kq.quantize_grouped_colwise(x, offsets))
+    # with t8 off: the quarter-read kernel for codes against the byte kernel
+    t8_best = dict(kq.TUNING["grouped_t8"])
+    kq.TUNING["grouped_t8"] = {**t8_best, "enabled": False}
+    best["grouped_t4"] = _pick("grouped_t4", [{"block_c": b, "num_warps": w, "enabled": True, "codes": True}
+                                              for b in (256, 512) for w in (4, 8)]
+                               + [{"block_c": 128, "num_warps": 4, "enabled": True, "codes": False}],
+                               lambda: kq.quantize_grouped_colwise(x, offsets))
+    kq.TUNING["grouped_t8"] = t8_best
     best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],
                             lambda: kq.dequantize_rowwise(*kq.quantize_rowwise(x), torch.bfloat16))
     print("tuning:", json.dumps(kq.TUNING))
@@ -225,12 +247,6 @@ def main() -> int:
         qg, sg, _ = kq.quantize_grouped_colwise(x, offsets)
         Tp = qg.shape[1]
         rq, rs, _ = torch_quantize_grouped_dim0(x, offsets)
-        for enabled in (not kq.TUNING["grouped_t4"]["enabled"], kq.TUNING["grouped_t4"]["enabled"]):
-            saved = kq.TUNING["grouped_t4"]
-            kq.TUNING["grouped_t4"] = {**saved, "enabled": enabled}
-            t_var = bench(lambda: kq.quantize_grouped_colwise(x, offsets))
-            kq.TUNING["grouped_t4"] = saved
-            print(f"  grouped colwise with grouped_t4 enabled={enabled}: {t_var * 1e6:.1f} us", flush=True)
         t = bench(lambda: kq.quantize_grouped_colwise(x, offsets))
         record((M, K), "grouped colwise", t, 2 * n + K * Tp + K * Tp // 32, copy_bw, tao_col or tao_tomx_t,
                "vs ungrouped dim1 (torchao has no grouped kernel on sm90)", same(qg, rq) and same(sg, rs))

@@ -49,11 +49,19 @@ TUNING = {
     "colwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
     "grouped": {"block_c": 128, "num_warps": 2, "pack_t": False},
     "dequant": {"tile": (32, 128), "num_warps": 4},
-    "hw_round": True,  # round with the float8 cast instruction (RNE, satfinite on sm89+)
+    # 1: round with the float8 cast instruction (RNE, satfinite on sm89+); 2: the same
+    # instruction inside PTX that also packs the codes and applies the NaN rule four at a
+    # time (triton_quantize._codes_asm); 0 (the interpreter): float32-arithmetic rounding
+    "hw_round": 2,
     "pack_t": False,  # transposed stores as int32 words of 4 codes (per kernel above)
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
     # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
     "t4": {"tile": (64, 64), "num_warps": 4, "enabled": True},
+    # the same through _mx_tile_t8_kernel (8 x 8 patches per thread, no shared memory):
+    # preferred over t4 when enabled; one warp per 32-row group (num_warps = tile rows / 32)
+    "t8": {"tile": (128, 64), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": 128},
+    # grouped column-wise codes through _mx_grouped_col_t8_kernel (block_t tokens per program)
+    "grouped_t8": {"block_t": 256, "block_c": 64, "num_warps": 8, "enabled": True, "staged": True, "maxnreg": None},
     # the quarter-read grouped kernel: faster for dequantized output (57-84% of copy against
     # 46%), slower for codes (42% against 64%), and wrong on the H200 for float32 input at
     # (13919, 2880) with 27 experts (benchmarks/check_kernels_cuda.py, commit e8943cb; not
@@ -114,10 +122,16 @@ def _launch_settings(kind: str) -> dict:
     the kind's kernel switches (``enabled``, ``codes``) kept as set."""
     common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
-        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes")}
+        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes", "staged")}
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
                 "hw_round": False, "soft_casts": True, "enabled": True, **switches, **common}
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
+
+
+def _register_cap(cfg: dict) -> dict:
+    """Launch option capping registers per thread (ptx .maxnreg: more resident warps, to
+    hide the memory latency of kernels with one read per tile), if the settings name one."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpreting() else {}
 
 
 def launch_tile(
@@ -162,9 +176,10 @@ def launch_tile(
         if dq_dtype is not None:
             shape = (B, C, R) if col_transpose else (B, R, C)
             dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
-    t4 = _launch_settings("t4")
-    use_t4 = (colwise and col_transpose and write_q and dq_dtype is None and t4["enabled"]
-              and t4["tile"][0] % BLOCK == 0)
+    t4, t8 = _launch_settings("t4"), _launch_settings("t8")
+    transposed_codes = colwise and col_transpose and write_q and dq_dtype is None
+    use_t8 = transposed_codes and t8["enabled"] and t8["tile"][0] % BLOCK == 0 and t8["tile"][1] % BLOCK == 0
+    use_t4 = transposed_codes and t4["enabled"] and t4["tile"][0] % BLOCK == 0
     flat_rows = rowwise and not colwise and Cp == C and x3.is_contiguous() and _launch_settings("rows")["rows_flat"]
     if B and R and C and flat_rows:
         cfg = _launch_settings("rows")
@@ -174,6 +189,15 @@ def launch_tile(
             ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_B=cfg["block_b"],
             num_warps=cfg["num_warps"],
+        )
+    elif B and R and C and use_t8:
+        block_r, block_c = t8["tile"]
+        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
+        tk._mx_tile_t8_kernel[grid](
+            x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
+            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=t8["hw_round"],
+            SOFT_CASTS=t8["soft_casts"], BLOCK_R=block_r, BLOCK_C=block_c, STAGED=t8["staged"],
+            num_warps=t8["num_warps"], **_register_cap(t8),
         )
     elif B and R and C and use_t4:
         block_r, block_c = t4["tile"]
@@ -352,6 +376,16 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     if dq_dtype is not None:
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
+        t8 = _launch_settings("grouped_t8")
+        if t8["enabled"] and write_q and dq_dtype is None and src is None:
+            block_t = t8["tile"][0] if interpreting() else t8["block_t"]
+            tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
+                x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
+                ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=t8["hw_round"], SOFT_CASTS=t8["soft_casts"],
+                E_POW2=triton.next_power_of_2(E + 1), BLOCK_T=block_t, BLOCK_C=t8["block_c"],
+                STAGED=t8["staged"], num_warps=t8["num_warps"], **_register_cap(t8),
+            )
+            return out
         cfg = _launch_settings("grouped_t4")
         t4_ok = cfg["enabled"] and x.dtype == torch.bfloat16 and (dq_dtype is not None or cfg["codes"])
         if src is not None and x.dtype != torch.bfloat16:  # gather first (T already counts it), then the byte kernel

@@ -132,6 +132,91 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
     return r, codes
 
 
+# ---- PTX fast path (HW_ROUND == 2): codes made and packed four at a time --------------
+# Per 4 elements: 4 multiplies by 2^-e, 2 cvt.rn.satfinite (two codes each, round to nearest
+# even with saturation, bit-exact on sm89+), one byte permute to pack them, and the NaN rule
+# on the packed word: the four input sign bytes gathered with prmt, (signs & 0x80) | 0x7F per
+# byte, selected per byte by the block's non-finite mask (lop3). Triton's own lowering of the
+# same steps spends ~4x the instructions (byte extracts, per-element selects and repacking),
+# which is what bounded the transposing kernels (instruction-bound, not memory-bound).
+_ASM_WORD = """{
+.reg .b32 y0, y1, y2, y3, w, t, u;
+.reg .b16 h0, h1;
+mul.f32 y0, X0, S0;
+mul.f32 y1, X1, S1;
+mul.f32 y2, X2, S2;
+mul.f32 y3, X3, S3;
+cvt.rn.satfinite.FMT.f32 h0, y1, y0;
+cvt.rn.satfinite.FMT.f32 h1, y3, y2;
+mov.b32 w, {h0, h1};
+prmt.b32 t, X0, X1, 0x4473;
+prmt.b32 u, X2, X3, 0x7344;
+prmt.b32 t, t, u, 0x7610;
+lop3.b32 t, t, 0x80808080, 0x7F7F7F7F, 0xEA;
+lop3.b32 $0, w, t, M, 0xD8;
+}"""
+
+
+def _asm(fmt: str, names: dict) -> str:
+    text = _ASM_WORD.replace("FMT", fmt)
+    for k, v in names.items():
+        text = text.replace(k, v)
+    return text
+
+
+# pack=4: $1..$4 four consecutive elements of x, $5..$8 their 2^-e, $9 their four mask bytes
+_CODES4 = {"X0": "$1", "X1": "$2", "X2": "$3", "X3": "$4", "S0": "$5", "S1": "$6", "S2": "$7", "S3": "$8", "M": "$9"}
+_CODES4_E4M3 = tl.constexpr(_asm("e4m3x2", _CODES4))
+_CODES4_E5M2 = tl.constexpr(_asm("e5m2x2", _CODES4))
+# pack=1: $1..$4 one element of each of four tensors, $5 their common 2^-e, $6 the mask word
+_WORD4 = {"X0": "$1", "X1": "$2", "X2": "$3", "X3": "$4", "S0": "$5", "S1": "$5", "S2": "$5", "S3": "$5", "M": "$6"}
+_WORD4_E4M3 = tl.constexpr(_asm("e4m3x2", _WORD4))
+_WORD4_E5M2 = tl.constexpr(_asm("e5m2x2", _WORD4))
+
+
+@triton.jit
+def _inv_scale(e):
+    """2^-e as float32 (e in [-127, 127]: always a normal float)."""
+    return ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _codes_asm(x, e, nonfinite, ELEM: tl.constexpr):
+    """Codes (uint8, x's shape) of float32 x with scale exponents e and non-finite flags
+    (broadcast to x's shape), made four consecutive elements at a time in PTX. Same bytes
+    as :func:`_quantize_values` with HW_ROUND (GPU only: no interpreter support)."""
+    mask = tl.where(nonfinite, -1, 0).to(tl.int8)
+    if ELEM == 0:
+        return tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, _inv_scale(e), mask],
+                                         dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_CODES4_E5M2, "=r,r,r,r,r,r,r,r,r,r", [x, _inv_scale(e), mask],
+                                         dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _words_asm(x0, x1, x2, x3, e, nonfinite, ELEM: tl.constexpr):
+    """int32 words of the codes of four float32 tensors x0..x3 sharing scale exponents e and
+    non-finite flags (x0's code in the low byte). GPU only, like :func:`_codes_asm`."""
+    mask = tl.where(nonfinite, -1, 0)
+    if ELEM == 0:
+        return tl.inline_asm_elementwise(_WORD4_E4M3, "=r,r,r,r,r,r,r", [x0, x1, x2, x3, _inv_scale(e), mask],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_WORD4_E5M2, "=r,r,r,r,r,r,r", [x0, x1, x2, x3, _inv_scale(e), mask],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _quantize_codes(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+    """Codes only (uint8): the PTX path for HW_ROUND == 2, else :func:`_quantize_values`."""
+    if HW_ROUND == 2:
+        return _codes_asm(x, e, nonfinite, ELEM)
+    else:
+        _, codes = _quantize_values(x, e, nonfinite, ELEM, HW_ROUND, True)
+        return codes
+
+
 @triton.jit
 def _dequantized(r, e, nonfinite):
     """Element values r times 2^e (exact in float32), NaN for non-finite blocks."""
@@ -277,7 +362,10 @@ def _mx_rows_kernel(
     x = _to_float32(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0), SOFT_CASTS)
     abs_bits = _abs_bits(x)
     e, nf = _scale_exponent(tl.max(abs_bits, axis=1)[:, None], ELEM, MODE)
-    r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, True)
+    if WRITE_DQ:
+        r, codes = _quantize_values(x, e, nf, ELEM, HW_ROUND, True)
+    else:
+        codes = _quantize_codes(x, tl.broadcast_to(e, (BLOCK_B, 32)), tl.broadcast_to(nf, (BLOCK_B, 32)), ELEM, HW_ROUND)
     if WRITE_Q:
         tl.store(q_ptr + offs, codes, mask=ok[:, None])
         sbits = _scale_bits(e, nf)
@@ -359,20 +447,27 @@ def _mx_tile_kernel(
 
 
 @triton.jit
-def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
-    """32-token block ``blk`` of the per-expert padded layout -> (its first token, the end of
-    its expert's tokens). ends_ptr: (E,) cumulative token ends; block_starts_ptr: (E + 1,)
-    cumulative padded block starts."""
-    # expert of this block: the number of experts whose padded blocks end at or before it
+def _block_tokens_v(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
+    """32-token blocks ``blk`` (N,) of the per-expert padded layout -> (their first tokens,
+    the ends of their experts' tokens), both (N,). ends_ptr: (E,) cumulative token ends;
+    block_starts_ptr: (E + 1,) cumulative padded block starts."""
+    # expert of a block: the number of experts whose padded blocks end at or before it
     ge = tl.arange(0, E_POW2)
     block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
-    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    g = tl.sum((block_ends[None, :] <= blk[:, None]).to(tl.int32), axis=1)
     g_safe = tl.minimum(g, E - 1)
     block_start = tl.load(block_starts_ptr + g_safe)
     # past the last expert: read nothing; never past row T, whatever the offsets say
     tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
     tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
     return tok_start + (blk - block_start) * 32, tok_end
+
+
+@triton.jit
+def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
+    """:func:`_block_tokens_v` of one block ``blk`` (a scalar): scalars."""
+    tok0, tok_end = _block_tokens_v(tl.full((1,), blk, tl.int32), ends_ptr, block_starts_ptr, E, T, E_POW2)
+    return tl.sum(tok0, axis=0), tl.sum(tok_end, axis=0)
 
 
 @triton.jit
@@ -465,7 +560,7 @@ def _rowwise_quarter(x, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, qr_ptr, s
                      Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """Row-wise codes and scales of the rows ``rows64`` (Q,) of a tile: x (Q, BLOCK_C) float32."""
     e, nf, e_x, nf_x = _row_block_scales(_abs_bits(x), ELEM, MODE, Q, BLOCK_C)
-    _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
+    codes = _quantize_codes(x, e_x, nf_x, ELEM, HW_ROUND)
     _store_rowwise(qr_ptr, sr_ptr, codes, e, nf, rows64, row_ok, cols64, pid_c, b, R, Cp, R128, BLOCKED, BLOCK_C)
 
 
@@ -516,11 +611,14 @@ def _mx_tile_t4_kernel(
     # column-wise: a 32-row block is 8 consecutive quarter rows of each x_j
     m = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
     e, nf, e_x, nf_x = _col_block_scales(m, ELEM, MODE, Q, 8, BLOCK_C)
-    _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
-    _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, True)
-    _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, True)
-    _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, True)
-    words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, Q)
+    if HW_ROUND == 2:
+        words = tl.trans(_words_asm(x0, x1, x2, x3, e_x, nf_x, ELEM))  # (BLOCK_C, Q)
+    else:
+        _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, True)
+        words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, Q)
     _store_words_t(qc_ptr, b * C * (Rp // 4), Rp // 4, words, cols64, col_in, pid_r * Q + i, Rp // 4)
     srows = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
     s_mask = (srows < Rp // 32)[:, None] & col_in[None, :]
@@ -592,3 +690,236 @@ def _mx_grouped_col_t4_kernel(
         v = tl.reshape(v, (BLOCK_C, 32))
         pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)
         tl.store(d_ptr + cols64[:, None] * Tp + pos[None, :], v, mask=col_in[:, None] & (pos < Tp)[None, :])
+
+
+# ---- transposing kernels with the column blocks in registers (t8) -------------------------
+# Each thread holds an 8 x 8 patch (8 consecutive rows, 8 consecutive columns) of a 32-row
+# block: a tile of G 32-row blocks is read as eight tensors x_k (4 G, BLOCK_C), row i of x_k
+# being row 32 (i // 4) + 8 (i % 4) + k of the tile. Triton lays a (4 G, BLOCK_C) load out
+# with 8 columns per thread, 8 lanes along the columns and 4 along the rows (BLOCK_C = 64;
+# 16 and 2 for 128), warps along the rows, so the same (i, c) of every x_k is in one thread
+# and the 4 lanes of one i // 4 are in one warp:
+# - a column block (32 rows = 4 lanes x 8 registers) reduces in registers plus two shuffles;
+# - the four codes of one transposed output word (rows 4j..4j+3, one column) are in one
+#   thread and are packed where they are (:func:`_words_asm`);
+# - a row block (32 columns = 4 lanes x 8 registers) reduces with two shuffles.
+# The transposed words are stored either straight from the registers (8 bytes per thread,
+# a 32-byte sector per column and warp) or STAGED: through Triton's coalesced layout (shared
+# memory), which gives each output row 32 G contiguous bytes per program.
+
+
+@triton.jit
+def _scale_byte_inv(amax_bits, ELEM: tl.constexpr, MODE: tl.constexpr):
+    """Block amax (int32 bits, sign clear) -> (E8M0 byte as int32 (255 for non-finite
+    blocks), 2^-e as float32, non-finite flag): the rule of :func:`_scale_exponent` in
+    fewer instructions, on the biased exponent b = e + 127 directly.
+    - floor: b = max(exponent field of amax - emax_elem, 0).
+    - rceil: d = amax * (1 / max_normal); for normal d, b = exponent field of d rounded up to
+      a power of two, which is (d_bits + 0x7FFFFF) >> 23; a subnormal d gives b = 1 above
+      2^-127 (d_bits > 0x400000) and 0 (the clamp at -127) at or below it.
+    Finite amax keeps b <= 247 for both formats, so no upper clamp is needed."""
+    nonfinite = amax_bits >= 0x7F800000
+    if MODE == 0:
+        if ELEM == 0:
+            b = tl.maximum((amax_bits >> 23) - E4M3_EMAX, 0)
+        else:
+            b = tl.maximum((amax_bits >> 23) - E5M2_EMAX, 0)
+    else:
+        if ELEM == 0:
+            d_bits = (amax_bits.to(tl.float32, bitcast=True) * E4M3_INV_MAX).to(tl.int32, bitcast=True)
+        else:
+            d_bits = (amax_bits.to(tl.float32, bitcast=True) * E5M2_INV_MAX).to(tl.int32, bitcast=True)
+        b = tl.where(d_bits > 0x400000, (d_bits + 0x7FFFFF) >> 23, 0)
+    inv = ((254 - b) << 23).to(tl.float32, bitcast=True)  # 2^-(b - 127), normal for b in [0, 247]
+    return tl.where(nonfinite, 255, b), inv, nonfinite
+
+
+@triton.jit
+def _store_u8(ptr, val, mask, ASM: tl.constexpr):
+    """Store uint8 ``val`` at ``ptr`` where ``mask``. ASM: one predicated st.global.b8 per
+    element from the registers it is in; Triton's tl.store would first move a small
+    reduced tensor (scales) to its own coalesced layout through shared memory, with two
+    barriers per store. Redundant copies (lanes that share a reduced value) store the same
+    byte to the same address."""
+    if ASM:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+                                  "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), val.to(tl.int32), mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _store_2w(ptr, lo, hi, mask):
+    """GPU only: store int32 words lo, hi at ptr, ptr + 1 (8-byte aligned) where mask, one
+    st.global.v2.b32 per element pair, from the registers they are in."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $4, 0; @p st.global.v2.b32 [$1], {$2, $3}; mov.b32 $0, 0; }",
+                              "=r,l,r,r,r", [ptr.to(tl.int64, bitcast=True), lo, hi, mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_row8(base, r, R, c_ok, stride_xr, SOFT_CASTS: tl.constexpr):
+    """Rows r (N, 1) of the input as float32 (zero at rows >= R or outside the columns)."""
+    return _to_float32(tl.load(base + r.to(tl.int64) * stride_xr, mask=(r < R) & c_ok, other=0.0), SOFT_CASTS)
+
+
+@triton.jit
+def _row_codes8(x, r, R, cols64, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM: tl.constexpr, MODE: tl.constexpr,
+                BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row-wise codes and scales of rows r (N, 1) of the tile: x (N, BLOCK_C) float32."""
+    amax = tl.max(tl.reshape(_abs_bits(x), (N, BLOCK_C // 32, 32)), axis=2)  # (N, BLOCK_C // 32)
+    sb, inv, nf = _scale_byte_inv(amax, ELEM, MODE)
+    nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
+    if HW_ROUND == 2:
+        inv_x = tl.reshape(tl.broadcast_to(inv[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
+        mask = tl.where(nf_x, -1, 0).to(tl.int8)
+        if ELEM == 0:
+            codes = tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, inv_x, mask],
+                                              dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            codes = tl.inline_asm_elementwise(_CODES4_E5M2, "=r,r,r,r,r,r,r,r,r,r", [x, inv_x, mask],
+                                              dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        e = tl.where(nf, 0, sb - 127)
+        e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
+        _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
+    r64 = r.to(tl.int64)
+    row_ok = r < R
+    tl.store(qr_ptr + b * R * Cp + r64 * Cp + cols64, codes, mask=row_ok & (cols64 < Cp))
+    scols = (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
+    s_off = _scale_offset(b, R, R128, Cp, r64, scols, BLOCKED)
+    _store_u8(sr_ptr + s_off, sb.to(tl.uint8), row_ok & (scols < Cp // 32), HW_ROUND == 2)
+
+
+@triton.jit
+def _col_words8(x0, x1, x2, x3, inv_x, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+    """int32 words of the column-wise codes of four consecutive rows (x0 in the low byte)."""
+    if HW_ROUND == 2:
+        return _words_asm(x0, x1, x2, x3, e_x, nf_x, ELEM)
+    else:
+        _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, True)
+        _, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, True)
+        return _pack4(c0, c1, c2, c3)
+
+
+@triton.jit
+def _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, b, Rp, blk0, cols, c_ok, C, C128,
+                ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+                G: tl.constexpr, BLOCK_C: tl.constexpr, STAGED: tl.constexpr):
+    """Column-wise codes and scales of a t8 tile: x_k (4 G, BLOCK_C) float32 (see above),
+    its 32-row blocks being blk0 .. blk0 + G - 1 of the output's row space; cols (BLOCK_C,)
+    int64 and c_ok (BLOCK_C,). Codes go to (B, C, Rp) (written as int32 words), scales to
+    (B, C, Rp / 32) (or blocked); b is the matrix index."""
+    m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3))),
+                   tl.maximum(tl.maximum(_abs_bits(x4), _abs_bits(x5)), tl.maximum(_abs_bits(x6), _abs_bits(x7))))
+    amax = tl.max(tl.reshape(m, (G, 4, BLOCK_C)), axis=1)  # (G, BLOCK_C)
+    sb, inv, nf = _scale_byte_inv(amax, ELEM, MODE)
+    nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
+    e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
+    lo = _col_words8(x0, x1, x2, x3, 0, nf_x, e_x, ELEM, HW_ROUND)
+    hi = _col_words8(x4, x5, x6, x7, 0, nf_x, e_x, ELEM, HW_ROUND)
+    q32 = q_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4)
+    blk = blk0 + tl.arange(0, G)
+    if STAGED:
+        # (BLOCK_C, 8 G) words: output row c's 32 G consecutive bytes
+        words = tl.reshape(tl.permute(tl.join(lo, hi), (1, 0, 2)), (BLOCK_C, 8 * G))
+        w = 8 * blk0 + tl.arange(0, 8 * G)[None, :]
+        tl.store(q32 + cols[:, None] * (Rp // 4) + w, words, mask=c_ok[:, None] & (w < Rp // 4))
+        s_off = _scale_offset(b, C, C128, Rp, cols[:, None], blk[None, :], BLOCKED)
+        tl.store(s_ptr + s_off, tl.trans(sb).to(tl.uint8), mask=c_ok[:, None] & (blk < Rp // 32)[None, :])
+    else:
+        i = tl.arange(0, 4 * G)
+        w0 = (8 * blk0 + 8 * (i // 4) + 2 * (i % 4))[:, None]  # output words w0, w0 + 1 of row i's thread
+        ptr = q32 + cols[None, :] * (Rp // 4) + w0
+        w_ok = c_ok[None, :] & (w0 < Rp // 4)
+        if HW_ROUND == 2:
+            _store_2w(ptr, lo, hi, w_ok)
+        else:
+            tl.store(ptr, lo, mask=w_ok)
+            tl.store(ptr + 1, hi, mask=w_ok)
+        s_off = _scale_offset(b, C, C128, Rp, cols[None, :], blk[:, None], BLOCKED)
+        _store_u8(s_ptr + s_off, sb.to(tl.uint8), c_ok[None, :] & (blk < Rp // 32)[:, None], HW_ROUND == 2)
+
+
+@triton.jit
+def _mx_tile_t8_kernel(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
+    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
+    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
+    Rp, Cp, R128, C128,
+    ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
+    HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGED: tl.constexpr,
+):
+    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
+    from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
+    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above)."""
+    G: tl.constexpr = BLOCK_R // 32
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    i = tl.arange(0, 4 * G)
+    c0 = pid_c * BLOCK_C
+    cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+    c_ok = cols < C
+    r0 = (pid_r * BLOCK_R + 32 * (i // 4) + 8 * (i % 4))[:, None]  # the first of each thread's 8 rows
+    base = x_ptr + b * stride_xb + cols[None, :] * stride_xc
+    x0 = _load_row8(base, r0, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x1 = _load_row8(base, r0 + 1, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x2 = _load_row8(base, r0 + 2, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x3 = _load_row8(base, r0 + 3, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x4 = _load_row8(base, r0 + 4, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x5 = _load_row8(base, r0 + 5, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x6 = _load_row8(base, r0 + 6, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    x7 = _load_row8(base, r0 + 7, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    if ROWWISE:
+        N: tl.constexpr = 4 * G
+        cr = cols[None, :]
+        _row_codes8(x0, r0, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x1, r0 + 1, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x2, r0 + 2, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x3, r0 + 3, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x4, r0 + 4, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x5, r0 + 5, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x6, r0 + 6, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x7, r0 + 7, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+    _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
+                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
+
+
+@triton.jit
+def _mx_grouped_col_t8_kernel(
+    x_ptr, stride_xt, stride_xc, T, C,
+    ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
+    q_ptr, s_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32) (or blocked)
+    ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+    SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGED: tl.constexpr,
+):
+    """``_mx_grouped_col_kernel`` (codes only) in the t8 layout: a program takes G =
+    BLOCK_T / 32 consecutive 32-token blocks of the padded layout, each read as the rows of
+    a 32-row block of ``_mx_tile_t8_kernel``, its rows being its expert's tokens."""
+    G: tl.constexpr = BLOCK_T // 32
+    pid_c = tl.program_id(0)
+    blk0 = tl.program_id(1) * G
+    tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
+    i = tl.arange(0, 4 * G)
+    t0 = tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4)
+    t0 = t0[:, None]  # (4 G, 1): the first of each thread's 8 tokens
+    t_end = tl.reshape(tl.broadcast_to(tok_end[:, None], (G, 4)), (4 * G,))[:, None]
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    c_ok = cols < C
+    base = x_ptr + cols[None, :] * stride_xc
+    x0 = _load_row8(base, t0, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x1 = _load_row8(base, t0 + 1, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x2 = _load_row8(base, t0 + 2, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x3 = _load_row8(base, t0 + 3, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x4 = _load_row8(base, t0 + 4, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x5 = _load_row8(base, t0 + 5, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x6 = _load_row8(base, t0 + 6, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    x7 = _load_row8(base, t0 + 7, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
+                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
