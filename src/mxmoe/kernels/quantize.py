@@ -377,13 +377,14 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
         t8 = _launch_settings("grouped_t8")
-        if t8["enabled"] and write_q and dq_dtype is None and src is None:
+        if t8["enabled"] and write_q and dq_dtype is None:  # codes, with or without the gather
             block_t = t8["tile"][0] if interpreting() else t8["block_t"]
             tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
                 x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
+                src if src is not None else dummy,
                 ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=t8["hw_round"], SOFT_CASTS=t8["soft_casts"],
                 E_POW2=triton.next_power_of_2(E + 1), BLOCK_T=block_t, BLOCK_C=t8["block_c"],
-                STAGED=t8["staged"], num_warps=t8["num_warps"], **_register_cap(t8),
+                STAGED=t8["staged"], HAS_SRC=src is not None, num_warps=t8["num_warps"], **_register_cap(t8),
             )
             return out
         cfg = _launch_settings("grouped_t4")

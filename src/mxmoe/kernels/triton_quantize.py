@@ -466,8 +466,14 @@ def _block_tokens_v(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr)
 @triton.jit
 def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
     """:func:`_block_tokens_v` of one block ``blk`` (a scalar): scalars."""
-    tok0, tok_end = _block_tokens_v(tl.full((1,), blk, tl.int32), ends_ptr, block_starts_ptr, E, T, E_POW2)
-    return tl.sum(tok0, axis=0), tl.sum(tok_end, axis=0)
+    ge = tl.arange(0, E_POW2)
+    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
+    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
+    g_safe = tl.minimum(g, E - 1)
+    block_start = tl.load(block_starts_ptr + g_safe)
+    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
+    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    return tok_start + (blk - block_start) * 32, tok_end
 
 
 @triton.jit
@@ -765,6 +771,17 @@ def _load_row8(base, r, R, c_ok, stride_xr, SOFT_CASTS: tl.constexpr):
 
 
 @triton.jit
+def _load_token8(base, src_ptr, t, t_end, c_ok, stride_xt, SOFT_CASTS: tl.constexpr, HAS_SRC: tl.constexpr):
+    """Sorted tokens t (N, 1) (zero at t >= t_end): rows t of x, or rows src[t]."""
+    if HAS_SRC:
+        rows = tl.load(src_ptr + t, mask=t < t_end, other=0)
+        return _to_float32(tl.load(base + rows.to(tl.int64) * stride_xt, mask=(t < t_end) & c_ok, other=0.0),
+                           SOFT_CASTS)
+    else:
+        return _load_row8(base, t, t_end, c_ok, stride_xt, SOFT_CASTS)
+
+
+@triton.jit
 def _row_codes8(x, r, R, cols64, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM: tl.constexpr, MODE: tl.constexpr,
                 BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Row-wise codes and scales of rows r (N, 1) of the tile: x (N, BLOCK_C) float32."""
@@ -895,13 +912,15 @@ def _mx_grouped_col_t8_kernel(
     x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
     q_ptr, s_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32) (or blocked)
+    src_ptr,  # HAS_SRC: (T,) int32, sorted row t is row src[t] of x
     ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
     SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr,
+    STAGED: tl.constexpr, HAS_SRC: tl.constexpr,
 ):
     """``_mx_grouped_col_kernel`` (codes only) in the t8 layout: a program takes G =
     BLOCK_T / 32 consecutive 32-token blocks of the padded layout, each read as the rows of
-    a 32-row block of ``_mx_tile_t8_kernel``, its rows being its expert's tokens."""
+    a 32-row block of ``_mx_tile_t8_kernel``, its rows being its expert's tokens. HAS_SRC:
+    the token permute fused into the read (T then counts sorted rows)."""
     G: tl.constexpr = BLOCK_T // 32
     pid_c = tl.program_id(0)
     blk0 = tl.program_id(1) * G
@@ -913,13 +932,14 @@ def _mx_grouped_col_t8_kernel(
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     c_ok = cols < C
     base = x_ptr + cols[None, :] * stride_xc
-    x0 = _load_row8(base, t0, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x1 = _load_row8(base, t0 + 1, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x2 = _load_row8(base, t0 + 2, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x3 = _load_row8(base, t0 + 3, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x4 = _load_row8(base, t0 + 4, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x5 = _load_row8(base, t0 + 5, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x6 = _load_row8(base, t0 + 6, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
-    x7 = _load_row8(base, t0 + 7, t_end, c_ok[None, :], stride_xt, SOFT_CASTS)
+    c_in = c_ok[None, :]
+    x0 = _load_token8(base, src_ptr, t0, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x1 = _load_token8(base, src_ptr, t0 + 1, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x2 = _load_token8(base, src_ptr, t0 + 2, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x3 = _load_token8(base, src_ptr, t0 + 3, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x4 = _load_token8(base, src_ptr, t0 + 4, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x5 = _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x6 = _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x7 = _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
