@@ -765,9 +765,10 @@ def _store_2w(ptr, lo, hi, mask):
 
 
 @triton.jit
-def _load_row8(base, r, R, c_ok, stride_xr, SOFT_CASTS: tl.constexpr):
-    """Rows r (N, 1) of the input as float32 (zero at rows >= R or outside the columns)."""
-    return _to_float32(tl.load(base + r.to(tl.int64) * stride_xr, mask=(r < R) & c_ok, other=0.0), SOFT_CASTS)
+def _load_row8(p0, k: tl.constexpr, step, r0, R, c_ok, SOFT_CASTS: tl.constexpr):
+    """Rows r0 + k (r0 (N, 1)) of the input as float32 (zero at rows >= R or outside the
+    columns); p0: the pointers of rows r0, step: the row stride (one scalar add per row)."""
+    return _to_float32(tl.load(p0 + k * step, mask=(r0 + k < R) & c_ok, other=0.0), SOFT_CASTS)
 
 
 @triton.jit
@@ -775,16 +776,19 @@ def _load_token8(base, src_ptr, t, t_end, c_ok, stride_xt, SOFT_CASTS: tl.conste
     """Sorted tokens t (N, 1) (zero at t >= t_end): rows t of x, or rows src[t]."""
     if HAS_SRC:
         rows = tl.load(src_ptr + t, mask=t < t_end, other=0)
-        return _to_float32(tl.load(base + rows.to(tl.int64) * stride_xt, mask=(t < t_end) & c_ok, other=0.0),
-                           SOFT_CASTS)
     else:
-        return _load_row8(base, t, t_end, c_ok, stride_xt, SOFT_CASTS)
+        rows = t
+    return _to_float32(tl.load(base + rows.to(tl.int64) * stride_xt, mask=(t < t_end) & c_ok, other=0.0),
+                       SOFT_CASTS)
 
 
 @triton.jit
-def _row_codes8(x, r, R, cols64, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM: tl.constexpr, MODE: tl.constexpr,
-                BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Row-wise codes and scales of rows r (N, 1) of the tile: x (N, BLOCK_C) float32."""
+def _row_codes8(x, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, ELEM: tl.constexpr,
+                MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, N: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Row-wise codes and scales of rows r0 + k (r0 (N, 1)) of the tile: x (N, BLOCK_C)
+    float32; q_p0 / s_p0: the code / scale pointers of rows r0 (s_p0: the scale base when
+    BLOCKED), so that row r0 + k is one scalar add away."""
     amax = tl.max(tl.reshape(_abs_bits(x), (N, BLOCK_C // 32, 32)), axis=2)  # (N, BLOCK_C // 32)
     sb, inv, nf = _scale_byte_inv(amax, ELEM, MODE)
     nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
@@ -801,12 +805,14 @@ def _row_codes8(x, r, R, cols64, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM: tl.const
         e = tl.where(nf, 0, sb - 127)
         e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
         _, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
-    r64 = r.to(tl.int64)
-    row_ok = r < R
-    tl.store(qr_ptr + b * R * Cp + r64 * Cp + cols64, codes, mask=row_ok & (cols64 < Cp))
+    row_ok = r0 + k < R
+    tl.store(q_p0 + k * Cp, codes, mask=row_ok & (cols < Cp))
     scols = (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
-    s_off = _scale_offset(b, R, R128, Cp, r64, scols, BLOCKED)
-    _store_u8(sr_ptr + s_off, sb.to(tl.uint8), row_ok & (scols < Cp // 32), HW_ROUND == 2)
+    if BLOCKED:
+        s_p = s_p0 + _scale_offset(b, R, R128, Cp, (r0 + k).to(tl.int64), scols, True)
+    else:
+        s_p = s_p0 + k * (Cp // 32)
+    _store_u8(s_p, sb.to(tl.uint8), row_ok & (scols < Cp // 32), HW_ROUND == 2)
 
 
 @triton.jit
@@ -883,26 +889,34 @@ def _mx_tile_t8_kernel(
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
     c_ok = cols < C
     r0 = (pid_r * BLOCK_R + 32 * (i // 4) + 8 * (i % 4))[:, None]  # the first of each thread's 8 rows
-    base = x_ptr + b * stride_xb + cols[None, :] * stride_xc
-    x0 = _load_row8(base, r0, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x1 = _load_row8(base, r0 + 1, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x2 = _load_row8(base, r0 + 2, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x3 = _load_row8(base, r0 + 3, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x4 = _load_row8(base, r0 + 4, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x5 = _load_row8(base, r0 + 5, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x6 = _load_row8(base, r0 + 6, R, c_ok[None, :], stride_xr, SOFT_CASTS)
-    x7 = _load_row8(base, r0 + 7, R, c_ok[None, :], stride_xr, SOFT_CASTS)
+    c_in = c_ok[None, :]
+    p0 = x_ptr + b * stride_xb + cols[None, :] * stride_xc + r0.to(tl.int64) * stride_xr
+    step = stride_xr.to(tl.int64)
+    x0 = _load_row8(p0, 0, step, r0, R, c_in, SOFT_CASTS)
+    x1 = _load_row8(p0, 1, step, r0, R, c_in, SOFT_CASTS)
+    x2 = _load_row8(p0, 2, step, r0, R, c_in, SOFT_CASTS)
+    x3 = _load_row8(p0, 3, step, r0, R, c_in, SOFT_CASTS)
+    x4 = _load_row8(p0, 4, step, r0, R, c_in, SOFT_CASTS)
+    x5 = _load_row8(p0, 5, step, r0, R, c_in, SOFT_CASTS)
+    x6 = _load_row8(p0, 6, step, r0, R, c_in, SOFT_CASTS)
+    x7 = _load_row8(p0, 7, step, r0, R, c_in, SOFT_CASTS)
     if ROWWISE:
         N: tl.constexpr = 4 * G
+        r64 = r0.to(tl.int64)
+        q_p0 = qr_ptr + b * R * Cp + r64 * Cp + cols[None, :]
+        if BLOCKED:
+            s_p0 = sr_ptr
+        else:
+            s_p0 = sr_ptr + b * R * (Cp // 32) + r64 * (Cp // 32) + (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
         cr = cols[None, :]
-        _row_codes8(x0, r0, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x1, r0 + 1, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x2, r0 + 2, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x3, r0 + 3, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x4, r0 + 4, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x5, r0 + 5, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x6, r0 + 6, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x7, r0 + 7, R, cr, c0, b, Cp, R128, qr_ptr, sr_ptr, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
 
