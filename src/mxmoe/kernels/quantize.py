@@ -57,16 +57,21 @@ TUNING = {
     "rows_flat": True,  # contiguous row-wise input takes _mx_rows_kernel
     # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
     "t4": {"tile": (64, 64), "num_warps": 4, "enabled": True},
-    # the same through _mx_tile_t8_kernel (8 x 8 patches per thread, no shared memory):
-    # preferred over t4 when enabled; one warp per 32-row group (num_warps = tile rows / 32)
+    # the same through _mx_tile_t8_kernel (8 x 8 patches per thread): preferred over t4
+    # when enabled; one warp per 32-row group (num_warps = tile rows / 32); staged: the
+    # transposed words leave through a coalesced layout (one shared-memory pass, whole
+    # 128-byte lines); maxnreg: register cap (sweep of commit 8396fae: 170 us against 181
+    # uncapped at 16384 x 8192; 96 spills)
     "t8": {"tile": (128, 64), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": 128},
-    # grouped column-wise codes through _mx_grouped_col_t8_kernel (block_t tokens per program)
+    # grouped column-wise codes (with or without the fused token gather) through
+    # _mx_grouped_col_t8_kernel, block_t tokens per program
     "grouped_t8": {"block_t": 256, "block_c": 64, "num_warps": 8, "enabled": True, "staged": True, "maxnreg": None},
-    # the quarter-read grouped kernel: faster for dequantized output (57-84% of copy against
-    # 46%), slower for codes (42% against 64%), and wrong on the H200 for float32 input at
-    # (13919, 2880) with 27 experts (benchmarks/check_kernels_cuda.py, commit e8943cb; not
-    # reproduced under the interpreter): used for bfloat16 input with dequantized output,
-    # and for the fused gather of the MoE op (bfloat16, checked on the H200)
+    # the quarter-read grouped kernel: faster than the byte kernel for dequantized output
+    # (57-84% of copy against 46%), and wrong on the H200 for float32 input at (13919,
+    # 2880) with 27 experts (benchmarks/check_kernels_cuda.py, commit e8943cb) and for
+    # bfloat16 codes with the fused gather (tests/test_moe_experts.py, commit 8396fae),
+    # neither reproduced under the interpreter: used only for bfloat16 input with
+    # dequantized output (checked on the H200); codes go through grouped_t8
     "grouped_t4": {"block_c": 512, "num_warps": 8, "enabled": True, "codes": False},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.

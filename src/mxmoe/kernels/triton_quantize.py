@@ -14,6 +14,14 @@ on element bytes and scale bytes (docs/NUMERICS.md). Two kernels cover all layou
   layout (C, Tp): expert e's tokens start at column 32 * block_start[e], its last block
   is zero padded, Tp = 32 * (T // 32 + E) is a static bound (no host sync).
 
+Faster kernels for the same outputs, chosen by :mod:`mxmoe.kernels.quantize` where they
+apply: ``_mx_rows_kernel`` (contiguous row-wise), the transposing ``_mx_tile_t8_kernel``
+and ``_mx_grouped_col_t8_kernel`` (codes; 8 x 8 patches per thread, see the section
+comment), and the quarter-read ``_mx_tile_t4_kernel`` / ``_mx_grouped_col_t4_kernel``. On
+the GPU (HW_ROUND == 2) the codes are made four at a time in inline PTX
+(:func:`_codes_asm`, :func:`_words_asm`); the interpreter runs the same kernels with
+float32-arithmetic rounding (HW_ROUND == 0), so CI checks their indexing and masking.
+
 How the bits are made (identical on the GPU and under ``TRITON_INTERPRET=1``):
 - amax is an integer max over the float32 bit patterns with the sign cleared, so a NaN
   (largest pattern) or an infinity always wins: no NaN-ignoring float max.
