@@ -195,22 +195,16 @@ def launch_tile(
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_B=cfg["block_b"],
             num_warps=cfg["num_warps"],
         )
-    elif B and R and C and use_t8:
-        block_r, block_c = t8["tile"]
+    elif B and R and C and (use_t8 or use_t4):  # t8 first; both take the same arguments
+        cfg = t8 if use_t8 else t4
+        kernel = tk._mx_tile_t8_kernel if use_t8 else tk._mx_tile_t4_kernel
+        extra = {"STAGED": cfg["staged"], **_register_cap(cfg)} if use_t8 else {}
+        block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
-        tk._mx_tile_t8_kernel[grid](
+        kernel[grid](
             x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
-            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=t8["hw_round"],
-            SOFT_CASTS=t8["soft_casts"], BLOCK_R=block_r, BLOCK_C=block_c, STAGED=t8["staged"],
-            num_warps=t8["num_warps"], **_register_cap(t8),
-        )
-    elif B and R and C and use_t4:
-        block_r, block_c = t4["tile"]
-        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
-        tk._mx_tile_t4_kernel[grid](
-            x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
-            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=t4["hw_round"],
-            SOFT_CASTS=t4["soft_casts"], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=t4["num_warps"],
+            ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=cfg["hw_round"],
+            SOFT_CASTS=cfg["soft_casts"], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=cfg["num_warps"], **extra,
         )
     elif B and R and C:
         cfg = _launch_settings("colwise" if colwise else "rowwise")
