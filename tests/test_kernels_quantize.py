@@ -380,3 +380,14 @@ def test_zero_rows_past_end_kernel(end):
     offsets = torch.tensor([min(end, 5), end], dtype=torch.int32, device=DEV)
     got = zero_rows_past_end_(out, offsets)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), want.cpu())
+
+
+def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):
+    """A t8 tile Triton cannot build (rows a multiple of 32 but not a power of two) sends
+    the job to the next kernel instead of failing to compile."""
+    monkeypatch.setattr(kq, "_TILE_INTERPRETER", (96, 64))
+    x = hard(96, 64, seed=3, dtype=torch.bfloat16)
+    q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
+    rq, rs = ref_rowwise(x, "e4m3", "rceil")
+    rqt, rst = ref_colwise_t(x, "e4m3", "rceil")
+    assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs) and torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst)

@@ -262,3 +262,19 @@ def test_double_backward_is_refused():
     (g,) = torch.autograd.grad(y.float().pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         g.float().sum().backward()
+
+
+def test_grouped_gather_refuses_rows_outside_x():
+    """Off CUDA a src row outside [0, T) raises before any kernel reads (on CUDA the check
+    would be a host sync; the fused op checks its routing on the CPU instead)."""
+    x = spread(64, 64, 2).to(DEV)
+    offs = torch.tensor([30, 64], dtype=torch.int32, device=DEV)
+    if DEV.type == "cuda":
+        pytest.skip("not checked on CUDA")
+    for bad in (64, -1):
+        src = torch.arange(64, device=DEV)
+        src[5] = bad
+        with pytest.raises(IndexError, match="x has 64 rows"):
+            me.quantize_grouped_gather(x, src, offs, TRI)
+    with pytest.raises(TypeError, match="integer"):
+        me.quantize_grouped_gather(x, torch.arange(64, device=DEV).float(), offs, TRI)

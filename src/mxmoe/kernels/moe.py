@@ -63,7 +63,17 @@ def triton_quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tenso
                                    mode: str) -> tuple[Tensor, Tensor, Tensor]:
     """Codes (D, Ap) and scales (D, Ap / 32) of x[src] quantized along tokens, each expert's
     tokens in their own blocks (the per-expert padded layout of
-    :mod:`mxmoe.numerics.grouped`, Ap = 32 * (A // 32 + E)), and the padded offsets."""
+    :mod:`mxmoe.numerics.grouped`, Ap = 32 * (A // 32 + E)), and the padded offsets.
+
+    src_A: (A,) integer rows of x, each in [0, T). On CUDA this is not checked (the check
+    would be a device-to-host sync; the fused expert op checks its routing on the CPU
+    before any kernel runs); elsewhere (the interpreter) it raises IndexError."""
+    if src_A.dtype.is_floating_point or src_A.dim() != 1:
+        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
+    if src_A.device.type != "cuda" and src_A.numel():
+        lo, hi = int(src_A.min()), int(src_A.max())
+        if lo < 0 or hi >= x_TD.shape[0]:
+            raise IndexError(f"src holds rows {lo}..{hi}; x has {x_TD.shape[0]} rows (valid: 0..{x_TD.shape[0] - 1})")
     out = _grouped_launch(x_TD, offsets_E, fmt, mode, True, None, False, src=src_A.contiguous())
     return out["q"], out["s"], out["padded_offsets"]
 

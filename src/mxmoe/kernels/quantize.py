@@ -133,6 +133,10 @@ def _launch_settings(kind: str) -> dict:
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
 
 
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _register_cap(cfg: dict) -> dict:
     """Launch option capping registers per thread (ptx .maxnreg: more resident warps, to
     hide the memory latency of kernels with one read per tile), if the settings name one."""
@@ -183,7 +187,7 @@ def launch_tile(
             dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
     t4, t8 = _launch_settings("t4"), _launch_settings("t8")
     transposed_codes = colwise and col_transpose and write_q and dq_dtype is None
-    use_t8 = transposed_codes and t8["enabled"] and t8["tile"][0] % BLOCK == 0 and t8["tile"][1] % BLOCK == 0
+    use_t8 = transposed_codes and t8["enabled"] and all(_is_pow2(n) and n >= BLOCK for n in t8["tile"])
     use_t4 = transposed_codes and t4["enabled"] and t4["tile"][0] % BLOCK == 0
     flat_rows = rowwise and not colwise and Cp == C and x3.is_contiguous() and _launch_settings("rows")["rows_flat"]
     if B and R and C and flat_rows:
@@ -376,8 +380,9 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
     if C and Tp and E:
         t8 = _launch_settings("grouped_t8")
-        if t8["enabled"] and write_q and dq_dtype is None:  # codes, with or without the gather
-            block_t = t8["tile"][0] if interpreting() else t8["block_t"]
+        block_t = t8["tile"][0] if interpreting() else t8["block_t"]
+        if (t8["enabled"] and write_q and dq_dtype is None  # codes, with or without the gather
+                and all(_is_pow2(n) and n >= BLOCK for n in (block_t, t8["block_c"]))):
             tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
                 x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
                 src if src is not None else dummy,
