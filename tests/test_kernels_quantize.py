@@ -385,7 +385,9 @@ def test_zero_rows_past_end_kernel(end):
 def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):
     """A t8 tile Triton cannot build (rows a multiple of 32 but not a power of two) sends
     the job to the next kernel instead of failing to compile."""
-    monkeypatch.setattr(kq, "_TILE_INTERPRETER", (96, 64))
+    settings = kq._launch_settings
+    monkeypatch.setattr(kq, "_launch_settings",
+                        lambda kind: {**settings(kind), "tile": (96, 64)} if kind == "t8" else settings(kind))
     x = hard(96, 64, seed=3, dtype=torch.bfloat16)
     q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
     rq, rs = ref_rowwise(x, "e4m3", "rceil")
