@@ -159,7 +159,8 @@ def quantize_mx(
     """Quantize ``x`` to an MX format, blocks of ``block_size`` consecutive values along ``dim``.
 
     Rules: docs/NUMERICS.md (OCP MX v1.0; ``rceil`` is NVIDIA's MXFP8 training recipe).
-    This is the pure-torch reference; it runs on any device.
+    ``backend`` picks the pure-torch reference (any device, every format) or the Triton
+    kernels (FP8 elements, block 32, float32/bfloat16 input); both give the same bytes.
 
     Args:
         x: float32, bfloat16 or float16; any rank >= 1, any strides (non-contiguous views,
