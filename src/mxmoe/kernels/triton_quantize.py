@@ -474,14 +474,8 @@ def _block_tokens_v(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr)
 @triton.jit
 def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
     """:func:`_block_tokens_v` of one block ``blk`` (a scalar): scalars."""
-    ge = tl.arange(0, E_POW2)
-    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
-    g = tl.sum((block_ends <= blk).to(tl.int32), axis=0)
-    g_safe = tl.minimum(g, E - 1)
-    block_start = tl.load(block_starts_ptr + g_safe)
-    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
-    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
-    return tok_start + (blk - block_start) * 32, tok_end
+    tok0, tok_end = _block_tokens_v(tl.full((1,), blk, tl.int32), ends_ptr, block_starts_ptr, E, T, E_POW2)
+    return tl.sum(tok0, axis=0), tl.sum(tok_end, axis=0)
 
 
 @triton.jit
