@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mxmoe import get_recipe, mx_grouped_mm
-from test_ops import SQNR_FLOOR_DB, Product, qdq64, sqnr_db
+from test_ops import SQNR_FLOOR_DB, Product, expert_products, qdq64, sqnr_db
 
 
 def spread_sizes(E: int, used: list[int], tokens: list[int]) -> list[int]:
@@ -114,18 +114,7 @@ def same_operand_products(x, w, dy, sizes, recipe):
         xa, dya = bf(x), bf(dy)
         w_k = w_n = lambda e: bf(w[e])  # noqa: E731
         tok = bf
-    ys, dxs, dws = [], [], []
-    start = 0
-    for e, n in enumerate(sizes):
-        rows = slice(start, start + n)
-        start += n
-        if n == 0:
-            dws.append(None)
-            continue
-        ys.append((rows, Product(xa[rows], w_k(e).t())))
-        dxs.append((rows, Product(dya[rows], w_n(e))))
-        dws.append(Product(tok(dy[rows]).t(), tok(x[rows])))
-    return ys, dxs, dws
+    return expert_products(xa, dya, w_k, w_n, lambda rows: Product(tok(dy[rows]).t(), tok(x[rows])), sizes)
 
 
 def check_structure(sizes, y, dx, dw, K, N):

@@ -143,10 +143,11 @@ def test_linear_keeps_leading_dims_and_dtypes():
 
 # ---- grouped GEMM -----------------------------------------------------------------
 
-def hand_grouped(x, w, dy, sizes, mode="rceil", wgrad_hp=False):
-    """Per-expert float64 products of hand-quantized operands: lists of Products for
-    out, dx (one per non-empty expert, its rows) and dw (None for empty experts)."""
-    xq, dyq = qdq64(x, 1, mode), qdq64(dy, 1, mode)
+def expert_products(xa, dya, w_k, w_n, dw, sizes):
+    """The per-expert float64 products of a grouped GEMM and its backward from prepared
+    operands: xa / dya (T, K) / (T, N), w_k(e) / w_n(e) expert e's weight as the forward /
+    dgrad reads it, dw(rows) expert rows' wgrad Product. Returns lists (rows, Product) for
+    out and dx (non-empty experts) and one Product or None (empty expert) per expert for dw."""
     ys, dxs, dws = [], [], []
     start = 0
     for e, n in enumerate(sizes):
@@ -155,13 +156,21 @@ def hand_grouped(x, w, dy, sizes, mode="rceil", wgrad_hp=False):
         if n == 0:
             dws.append(None)
             continue
-        ys.append((rows, Product(xq[rows], qdq64(w[e], 1, mode).t())))
-        dxs.append((rows, Product(dyq[rows], qdq64(w[e], 0, mode))))
-        if wgrad_hp:
-            dws.append(Product(dy[rows].double().t(), x[rows].double()))
-        else:  # this expert's tokens alone, zero padded to a multiple of 32
-            dws.append(Product(qdq64(dy[rows], 0, mode).t(), qdq64(x[rows], 0, mode)))
+        ys.append((rows, Product(xa[rows], w_k(e).t())))
+        dxs.append((rows, Product(dya[rows], w_n(e))))
+        dws.append(dw(rows))
     return ys, dxs, dws
+
+
+def hand_grouped(x, w, dy, sizes, mode="rceil", wgrad_hp=False):
+    """Per-expert float64 products of hand-quantized operands: lists of Products for
+    out, dx (one per non-empty expert, its rows) and dw (None for empty experts)."""
+    if wgrad_hp:
+        dw = lambda rows: Product(dy[rows].double().t(), x[rows].double())  # noqa: E731
+    else:  # this expert's tokens alone, zero padded to a multiple of 32
+        dw = lambda rows: Product(qdq64(dy[rows], 0, mode).t(), qdq64(x[rows], 0, mode))  # noqa: E731
+    return expert_products(qdq64(x, 1, mode), qdq64(dy, 1, mode), lambda e: qdq64(w[e], 1, mode),
+                           lambda e: qdq64(w[e], 0, mode), dw, sizes)
 
 
 def run_grouped(x, w, dy, sizes, recipe, extra_rows=0):
