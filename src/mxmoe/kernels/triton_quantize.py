@@ -193,12 +193,19 @@ def _codes_asm(x, e, nonfinite, ELEM: tl.constexpr):
     """Codes (uint8, x's shape) of float32 x with scale exponents e and non-finite flags
     (broadcast to x's shape), made four consecutive elements at a time in PTX. Same bytes
     as :func:`_quantize_values` with HW_ROUND (GPU only: no interpreter support)."""
+    return _codes_asm_inv(x, _inv_scale(e), nonfinite, ELEM)
+
+
+@triton.jit
+def _codes_asm_inv(x, inv_scale, nonfinite, ELEM: tl.constexpr):
+    """:func:`_codes_asm` with 2^-e given (float32, broadcast to x's shape; any value
+    where ``nonfinite``, whose codes are replaced)."""
     mask = tl.where(nonfinite, -1, 0).to(tl.int8)
     if ELEM == 0:
-        return tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, _inv_scale(e), mask],
+        return tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, inv_scale, mask],
                                          dtype=tl.uint8, is_pure=True, pack=4)
     else:
-        return tl.inline_asm_elementwise(_CODES4_E5M2, "=r,r,r,r,r,r,r,r,r,r", [x, _inv_scale(e), mask],
+        return tl.inline_asm_elementwise(_CODES4_E5M2, "=r,r,r,r,r,r,r,r,r,r", [x, inv_scale, mask],
                                          dtype=tl.uint8, is_pure=True, pack=4)
 
 
@@ -796,13 +803,7 @@ def _row_codes8(x, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, EL
     nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
     if HW_ROUND == 2:
         inv_x = tl.reshape(tl.broadcast_to(inv[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
-        mask = tl.where(nf_x, -1, 0).to(tl.int8)
-        if ELEM == 0:
-            codes = tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, inv_x, mask],
-                                              dtype=tl.uint8, is_pure=True, pack=4)
-        else:
-            codes = tl.inline_asm_elementwise(_CODES4_E5M2, "=r,r,r,r,r,r,r,r,r,r", [x, inv_x, mask],
-                                              dtype=tl.uint8, is_pure=True, pack=4)
+        codes = _codes_asm_inv(x, inv_x, nf_x, ELEM)
     else:
         e = tl.where(nf, 0, sb - 127)
         e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
@@ -818,7 +819,7 @@ def _row_codes8(x, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, EL
 
 
 @triton.jit
-def _col_words8(x0, x1, x2, x3, inv_x, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+def _col_words8(x0, x1, x2, x3, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
     """int32 words of the column-wise codes of four consecutive rows (x0 in the low byte)."""
     if HW_ROUND == 2:
         return _words_asm(x0, x1, x2, x3, e_x, nf_x, ELEM)
@@ -841,11 +842,11 @@ def _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, b, Rp, blk0, cols,
     m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3))),
                    tl.maximum(tl.maximum(_abs_bits(x4), _abs_bits(x5)), tl.maximum(_abs_bits(x6), _abs_bits(x7))))
     amax = tl.max(tl.reshape(m, (G, 4, BLOCK_C)), axis=1)  # (G, BLOCK_C)
-    sb, inv, nf = _scale_byte_inv(amax, ELEM, MODE)
+    sb, _, nf = _scale_byte_inv(amax, ELEM, MODE)
     nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
     e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
-    lo = _col_words8(x0, x1, x2, x3, 0, nf_x, e_x, ELEM, HW_ROUND)
-    hi = _col_words8(x4, x5, x6, x7, 0, nf_x, e_x, ELEM, HW_ROUND)
+    lo = _col_words8(x0, x1, x2, x3, nf_x, e_x, ELEM, HW_ROUND)
+    hi = _col_words8(x4, x5, x6, x7, nf_x, e_x, ELEM, HW_ROUND)
     q32 = q_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4)
     blk = blk0 + tl.arange(0, G)
     if STAGED:
