@@ -108,6 +108,9 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
         g.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="on CUDA, launch every step's kernels from Python instead of replaying the step from a "
+                        "CUDA graph (the default; it removes the host's launch cost)")
     g.add_argument("--overwrite", action="store_true",
                    help="start anew in an --out-dir that already holds a run, replacing its files "
                         "(without it such a run is refused unless --resume)")
@@ -142,7 +145,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
         progress=not args.no_progress and sys.stderr.isatty(), overwrite=args.overwrite,
-        expert_parallel=args.expert_parallel, model=model,
+        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, model=model,
     )
     cfg.validate()
     return cfg

@@ -96,6 +96,17 @@ class TopKRouter(nn.Module):
         return RouterOutput(weights_Tk, experts_Tk, logits_TE, probs_TE)
 
 
+def tokens_per_expert(experts: Tensor, n_experts: int) -> Tensor:
+    """(E,) int64 counts of each expert index in ``experts`` (any shape, int64 in [0, E)).
+
+    The value ``torch.bincount(experts.flatten(), minlength=E)`` gives, without its
+    device-to-host synchronization (on CUDA, bincount reads the maximum back to size its
+    output), so the layer can be captured in a CUDA graph. Integer sums: deterministic.
+    """
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(probs_TE: Tensor, experts_Tk: Tensor) -> Tensor:
     """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (Fedus et al. 2021, eq. 4).
 
@@ -108,7 +119,7 @@ def load_balancing_loss(probs_TE: Tensor, experts_Tk: Tensor) -> Tensor:
     T, E = probs_TE.shape
     if T == 0:
         return probs_TE.new_zeros(())
-    counts_E = torch.bincount(experts_Tk.reshape(-1), minlength=E).to(probs_TE.dtype)
+    counts_E = tokens_per_expert(experts_Tk, E).to(probs_TE.dtype)
     f_E = counts_E / max(experts_Tk.numel(), 1)
     P_E = probs_TE.mean(dim=0)
     return E * torch.sum(f_E * P_E)
@@ -332,7 +343,7 @@ class MoELayer(nn.Module):
         # dispatch: assignments a = t * k + j, sorted by expert (stable: token order kept)
         experts_A = r.experts_Tk.reshape(-1)
         order_A = torch.argsort(experts_A, stable=True)
-        counts_E = torch.bincount(experts_A, minlength=self.n_experts)
+        counts_E = tokens_per_expert(experts_A, self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_in_TD = mx_round_rows(x_TD, self.recipe) if self.mx_dispatch else x_TD
         fused = runs_fused(self.fused, self.recipe, x_TD)

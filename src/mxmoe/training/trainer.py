@@ -27,6 +27,7 @@ from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES, get_recipe
 from .checkpoint import CHECKPOINT_NAME, MetricsWriter, load_checkpoint, save_checkpoint, truncate_metrics, write_json
 from .data import Corpus, eval_batches, load_corpus, random_batch
+from .step import TrainStep
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
@@ -34,7 +35,7 @@ _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
 RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend",
-                     "overwrite")
+                     "overwrite", "cuda_graph")
 
 
 @dataclass
@@ -63,6 +64,10 @@ class TrainConfig:
         expert_parallel: P > 1 spreads the experts over P ranks (run under torchrun, one
             process per rank; :mod:`mxmoe.distributed`); each rank takes batch_size / P
             sequences of every batch.
+        cuda_graph: on a CUDA device, replay each step from a CUDA graph after the first
+            (:mod:`mxmoe.training.step`: removes the host's launch cost, which bounds small
+            models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
+            expert-parallel runs.
         model: the model shape.
     """
 
@@ -88,6 +93,7 @@ class TrainConfig:
     progress: bool = True
     overwrite: bool = False
     expert_parallel: int = 1
+    cuda_graph: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> None:
@@ -353,6 +359,8 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
         save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                               "train_config": cfg.to_dict()})
 
+    # after the checkpoint is loaded: the step puts AdamW in the mode it needs
+    train_step = TrainStep(model, opt, cfg.grad_clip, device, cfg.cuda_graph, log=lambda m: _log(m, cfg.progress))
     if start_step == 0:
         run_eval(0)
     model.train()
@@ -363,23 +371,15 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
         x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        out_lm = model(x, y)
-        out_lm.loss.backward()
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = out_lm.ce_loss.item()  # synchronizes: the step is done
+        outs = train_step(x, y, lr)
+        loss = outs.ce_loss.item()  # synchronizes: the step is done
         dt = time.perf_counter() - t0
-        counts = torch.stack(out_lm.tokens_per_expert).float() if out_lm.tokens_per_expert else None
+        counts = torch.stack(outs.tokens_per_expert).float() if outs.tokens_per_expert else None
         load_max = (counts.max(dim=1).values / counts.mean(dim=1)).max().item() if counts is not None else 1.0
         record = {
-            "kind": "train", "step": step, "loss": loss, "aux_loss": out_lm.aux_loss.item(),
-            "z_loss": out_lm.z_loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+            "kind": "train", "step": step, "loss": loss, "aux_loss": outs.aux_loss.item(),
+            "z_loss": outs.z_loss.item(), "grad_norm": outs.grad_norm.item(), "lr": lr,
             "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
             "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
         }

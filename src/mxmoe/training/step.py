@@ -1,0 +1,169 @@
+"""One training step (forward, backward, gradient clipping, AdamW), eager or replayed from
+a CUDA graph.
+
+Why a graph: at the sizes of ``--preset h200`` the step is bound by the host, not the GPU.
+Measured on the H200 (``benchmarks/profile_step.py``, results/h200_graph/): the kernels of
+one bf16 step take 37.6 ms and those of one MXFP8 step 39.1 ms, but launching them takes
+50 ms and 132 ms of CPU (each MXFP8 quantizer launch costs ~200 us of Python and custom-op
+dispatch). Replaying the step from a CUDA graph (:class:`torch.cuda.CUDAGraph`) removes
+the host cost for every recipe alike, so the step runs at the speed of its kernels.
+
+How (the "whole network capture" of the PyTorch CUDA-graph notes):
+
+1. The first step of a process runs eagerly on a side stream (Triton compilation, cuDNN
+   and cuBLAS set-up, AdamW state creation happen here; it is a real training step).
+2. The second step is captured: static input buffers, forward, backward (the gradients
+   are allocated inside the graph, so ``zero_grad`` is not called again), the gradient
+   norm and clipping, ``AdamW.step`` with ``capturable=True`` and the learning rate held in
+   a device tensor per parameter group. Capture runs nothing, so the graph is then
+   replayed for that step.
+3. Every later step copies its batch into the static buffers, writes the learning rate
+   into the device tensors and replays.
+
+Same numbers: a replay runs the kernels the eager step launched, with the same arguments,
+so a graphed run computes the same losses as an eager run with a capturable AdamW (checked
+on the H200 by ``benchmarks/check_cuda_graph.py``). The capturable AdamW keeps its step
+counts and bias corrections on the device, which rounds differently in the last bits from
+the host-side arithmetic of the default AdamW, so a graphed run and a ``--no-cuda-graph``
+run are close, not bit-equal.
+
+Requirements on the model: no host synchronization in forward or backward (no
+``.item()``, no ``torch.bincount`` on CUDA, no shapes that depend on values). If capture
+fails anyway, the step falls back to eager execution for the rest of the run, with a note.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class StepOutputs(NamedTuple):
+    """Scalars and counts of one step, as device tensors (in graph mode the same tensors
+    are overwritten by the next replay: read them before the next step).
+
+    ce_loss, aux_loss, z_loss: float32 scalars of the step's batch (before the update).
+    grad_norm: float32 scalar, global L2 norm of the gradients before clipping.
+    tokens_per_expert: one (E,) int64 tensor per MoE layer.
+    """
+
+    ce_loss: Tensor
+    aux_loss: Tensor
+    z_loss: Tensor
+    grad_norm: Tensor
+    tokens_per_expert: list[Tensor]
+
+
+def configure_optimizer(opt: torch.optim.Optimizer, device: torch.device, capturable: bool) -> None:
+    """Put ``opt`` (AdamW, after construction or ``load_state_dict``) in the mode the step
+    needs: ``capturable`` True keeps the learning rate as a float32 device tensor per group
+    and the step counts on the device (what a CUDA graph can replay); False keeps them as
+    Python floats and host tensors (the default AdamW). Checkpoints written in either mode
+    load into the other.
+
+    Raises:
+        ValueError: ``capturable`` on a non-CUDA device.
+    """
+    if capturable and device.type != "cuda":
+        raise ValueError(f"a capturable optimizer needs a CUDA device, got {device}")
+    for g in opt.param_groups:
+        lr = float(g["lr"])  # a device tensor is read back once, at set-up
+        g["capturable"] = capturable
+        g["lr"] = torch.tensor(lr, dtype=torch.float32, device=device) if capturable else lr
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if st and "step" in st:
+                st["step"] = st["step"].to(device=device if capturable else "cpu", dtype=torch.float32)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate: in place for a device tensor (no host sync, read
+    by the next replay), by assignment for a float."""
+    for g in opt.param_groups:
+        if isinstance(g["lr"], Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+
+
+class TrainStep:
+    """Callable running one optimizer step of ``model`` on a batch.
+
+    Args:
+        model: returns an object with ``loss`` (to backpropagate), ``ce_loss``,
+            ``aux_loss``, ``z_loss`` and ``tokens_per_expert`` for ``model(x, y)``.
+        opt: its optimizer (AdamW); configured here for the mode.
+        grad_clip: max global gradient norm; 0 disables clipping (the norm is still
+            computed and reported).
+        device: where the model lives.
+        cuda_graph: replay the step from a CUDA graph (only on CUDA devices; ignored
+            elsewhere).
+        log: called with a one-line note if graph capture fails and the run goes on eagerly.
+
+    ``step(x, y, lr)``: x, y (batch, seq_len) int64 token ids (any device); lr the
+    learning rate of this step. Returns :class:`StepOutputs`.
+    """
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: float,
+                 device: torch.device, cuda_graph: bool, log: Callable[[str], None] = print):
+        self.model, self.opt, self.device, self.log = model, opt, device, log
+        self.max_norm = grad_clip if grad_clip > 0 else float("inf")
+        self.graphed = bool(cuda_graph) and device.type == "cuda"
+        configure_optimizer(opt, device, capturable=self.graphed)
+        self._warm = False
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: tuple[Tensor, Tensor, StepOutputs] | None = None
+
+    def _run(self, x: Tensor, y: Tensor) -> StepOutputs:
+        out = self.model(x, y)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.opt.step()
+        # detached: the returned losses must not keep this step's autograd graph (and its
+        # AccumulateGrad nodes, bound to this step's stream) alive into the next step
+        return StepOutputs(out.ce_loss.detach(), out.aux_loss.detach(), out.z_loss.detach(), grad_norm.detach(),
+                           [c.detach() for c in out.tokens_per_expert])
+
+    def _eager(self, x: Tensor, y: Tensor) -> StepOutputs:
+        outs = self._run(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        return outs
+
+    def __call__(self, x: Tensor, y: Tensor, lr: float) -> StepOutputs:
+        set_lr(self.opt, lr)
+        if not self.graphed:
+            return self._eager(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        if self._graph is not None:
+            sx, sy, outs = self._static
+            sx.copy_(x, non_blocking=True)
+            sy.copy_(y, non_blocking=True)
+            self._graph.replay()
+            return outs
+        x, y = x.to(self.device), y.to(self.device)
+        if not self._warm:  # first step: eager, on a side stream (set-up work stays out of the graph)
+            main = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                outs = self._eager(x, y)
+            main.wait_stream(side)
+            self._warm = True
+            return outs
+        sx, sy = x.clone(), y.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                outs = self._run(sx, sy)
+        except RuntimeError as err:  # an op that cannot be captured: go on eagerly
+            self.opt.zero_grad(set_to_none=True)
+            self.graphed = False
+            configure_optimizer(self.opt, self.device, capturable=False)
+            set_lr(self.opt, lr)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            self.log(f"note: CUDA graph capture of the train step failed ({first}); running eagerly")
+            return self._eager(x, y)
+        self._graph, self._static = graph, (sx, sy, outs)
+        graph.replay()
+        return outs
