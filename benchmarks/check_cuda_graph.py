@@ -134,8 +134,6 @@ def main(argv=None):
                                    "eager_rerun_identical": rerun[0], "eager_rerun_max_loss_diff": rerun[1],
                                    "graph_vs_eager_max_loss_diff": graph_gap[1],
                                    "max_loss_diff_vs_default_adamw": d}
-        del base
-        torch.cuda.empty_cache()
         # which ops of the step have no deterministic CUDA implementation (information only)
         import warnings
 
@@ -148,7 +146,8 @@ def main(argv=None):
         nondet = sorted({str(w.message).split(".")[0] for w in caught if "deterministic" in str(w.message)})
         print(f"  {name}: ops without a deterministic implementation: {nondet or 'none'}")
         report["recipes"][name]["nondeterministic_ops"] = nondet
-        del model
+        del model, base
+        torch.cuda.empty_cache()
     r = report["recipes"]
     if "bf16" in r and "mxfp8" in r:
         for mode in ("eager", "graph"):
