@@ -317,3 +317,51 @@ def test_any_width_and_expanded_gradients(K, N, recipe, dtype):
             assert p.agrees(got[1][rows])
         for e, p in enumerate(dws):
             assert torch.equal(got[2][e], torch.zeros(N, K)) if p is None else p.agrees(got[2][e])
+
+
+@pytest.mark.parametrize("T,C", [(1, 32), (33, 96), (100, 70), (64, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fake_quantize_rowcol_is_the_two_separate_passes(T, C, dtype, backend):
+    """One read of x for both copies (one Triton kernel) gives the bytes of the two
+    separate passes, tails zero padded, NaN/Inf blocks included, on strided input too."""
+    pytest.importorskip("triton")
+    from mxmoe.ops.quantize import fake_quantize, fake_quantize_rowcol
+
+    gen = torch.Generator().manual_seed(T * 7 + C)
+    x = octave_spread(T + 3, C, gen, axis=1).to(dtype)[1:T + 1]  # a view with an offset
+    x[T // 2, C // 2] = float("nan")
+    x[0, -1] = float("-inf")
+    for xin in (x, x.t().contiguous().t()):
+        r = get_recipe("mxfp8", backend=backend)
+        rows, cols = fake_quantize_rowcol(xin, r, out_dtype=torch.bfloat16)
+        assert torch.equal(rows.view(torch.int16), fake_quantize(x, r, 1, torch.bfloat16).view(torch.int16))
+        assert torch.equal(cols.view(torch.int16), fake_quantize(x, r, 0, torch.bfloat16).view(torch.int16))
+    with pytest.raises(ValueError, match="2-D"):
+        fake_quantize_rowcol(x[None], get_recipe("mxfp8"), torch.bfloat16)
+
+
+def test_fake_quantize_rowcol_op_schema():
+    pytest.importorskip("triton")
+    import mxmoe.ops.quantize  # noqa: F401  (registers the op)
+
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.mxmoe.fake_quantize_rowcol.default, (x, "e4m3", "rceil", torch.bfloat16),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-bf16-wgrad"])
+def test_linear_with_one_gradient(need, recipe):
+    """Only dx or only dw asked for: the op quantizes what that gradient needs and gives
+    the same values as when both are computed."""
+    gen = torch.Generator().manual_seed(5)
+    x0, w0, dy = octave_spread(40, 64, gen, 1), octave_spread(48, 64, gen, 0), octave_spread(40, 48, gen, 0)
+    _, rdx, rdw = run_linear(x0, w0, dy, recipe)
+    x, w = x0.clone().requires_grad_(need[0]), w0.clone().requires_grad_(need[1])
+    mx_linear(x, w, recipe).backward(dy)
+    assert (x.grad is not None) == need[0] and (w.grad is not None) == need[1]
+    if need[0]:
+        assert torch.equal(x.grad, rdx)
+    if need[1]:
+        assert torch.equal(w.grad, rdw)

@@ -67,3 +67,46 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
     padded_TpC, padded_offsets = scatter_to_padded_groups(x_TC, offsets_E, recipe.block_size)
     xq = fake_quantize(padded_TpC.t(), recipe, dim=1, out_dtype=out_dtype)
     return xq, padded_offsets
+
+
+@torch.library.custom_op("mxmoe::fake_quantize_rowcol", mutates_args=())
+def _fake_quantize_rowcol_triton(x_TC: Tensor, fmt: str, mode: str, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Triton: both dequantized copies of a 2-D tensor from one read of it (one kernel)."""
+    from ..kernels.quantize import launch_tile
+
+    out = launch_tile(x_TC.unsqueeze(0), fmt, mode, rowwise=True, colwise=True, col_transpose=False,
+                      write_q=False, dq_dtype=out_dtype, pad=True)
+    return out["dq_row"][0], out["dq_col"][0]
+
+
+@_fake_quantize_rowcol_triton.register_fake
+def _(x_TC, fmt, mode, out_dtype):
+    return x_TC.new_empty(x_TC.shape, dtype=out_dtype), x_TC.new_empty(x_TC.shape, dtype=out_dtype)
+
+
+def fake_quantize_rowcol(x_TC: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(fake_quantize(x, dim=1), fake_quantize(x, dim=0))`` of a 2-D tensor, bit for bit,
+    with one read of x on the Triton backend (the training rule of docs/NUMERICS.md: each
+    copy is quantized from x itself, along the contraction dimension of the GEMM that
+    reads it).
+
+    Args:
+        x_TC: (T, C) float32/bfloat16/float16, any strides.
+        recipe: a quantizing recipe. out_dtype: dtype of both results.
+
+    Returns:
+        ``(rows_TC, cols_TC)``: (T, C) each, contiguous; rows blocked along C (32
+        consecutive elements of a row share a scale), cols blocked along T. Tails that are
+        not multiples of 32 are zero padded (exact for the GEMMs).
+
+    Raises:
+        ValueError: x is not 2-D.
+    """
+    if x_TC.dim() != 2:
+        raise ValueError(f"fake_quantize_rowcol takes a 2-D tensor, got shape {tuple(x_TC.shape)}")
+    if out_dtype in TRITON_DTYPES and x_TC.numel() and use_triton(x_TC.device, x_TC.dtype, recipe.fmt,
+                                                                 recipe.block_size, recipe.backend):
+        return _fake_quantize_rowcol_triton(x_TC, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
+    return fake_quantize(x_TC, recipe, dim=1, out_dtype=out_dtype), fake_quantize(x_TC, recipe, dim=0,
+                                                                                  out_dtype=out_dtype)
+
