@@ -24,7 +24,9 @@ float32-arithmetic rounding (HW_ROUND == 0), so CI checks their indexing and mas
 
 How the bits are made (identical on the GPU and under ``TRITON_INTERPRET=1``):
 - amax is an integer max over the float32 bit patterns with the sign cleared, so a NaN
-  (largest pattern) or an infinity always wins: no NaN-ignoring float max.
+  (largest pattern) or an infinity always wins: no NaN-ignoring float max. The t8 kernels
+  (FMAX) take the NaN-propagating float max of |x| instead (max.NaN.f32): the same bits
+  for finite blocks, a NaN (non-finite) where the integer max gives one.
 - the scale exponent is read off the float32 exponent field (floor) or computed from
   d = amax * float32(1 / max_normal) as ceil(log2(d)) from d's bits (rceil).
 - NaN outputs (dequantized values of NaN blocks) are the canonical NaN: the contract
@@ -147,6 +149,9 @@ def _quantize_values(x, e, nonfinite, ELEM: tl.constexpr, HW_ROUND: tl.constexpr
 # byte, selected per byte by the block's non-finite mask (lop3). Triton's own lowering of the
 # same steps spends ~4x the instructions (byte extracts, per-element selects and repacking),
 # which is what bounded the transposing kernels (instruction-bound, not memory-bound).
+# The sign bytes: from float32 inputs, byte 3 of each (three prmt); from bfloat16 inputs,
+# byte 1 of each 16-bit half of the registers Triton packs them into (B0 = {x0, x1}, B1 =
+# {x2, x3}, x0 in the low half): one prmt.
 _ASM_WORD = """{
 .reg .b32 y0, y1, y2, y3, w, t, u;
 .reg .b16 h0, h1;
@@ -157,16 +162,16 @@ mul.f32 y3, X3, S3;
 cvt.rn.satfinite.FMT.f32 h0, y1, y0;
 cvt.rn.satfinite.FMT.f32 h1, y3, y2;
 mov.b32 w, {h0, h1};
-prmt.b32 t, X0, X1, 0x4473;
-prmt.b32 u, X2, X3, 0x7344;
-prmt.b32 t, t, u, 0x7610;
+SIGNS
 lop3.b32 t, t, 0x80808080, 0x7F7F7F7F, 0xEA;
 lop3.b32 $0, w, t, M, 0xD8;
 }"""
+_SIGNS_F32 = "prmt.b32 t, X0, X1, 0x4473;\nprmt.b32 u, X2, X3, 0x7344;\nprmt.b32 t, t, u, 0x7610;"
+_SIGNS_BF16 = "prmt.b32 t, B0, B1, 0x7531;"
 
 
-def _asm(fmt: str, names: dict) -> str:
-    text = _ASM_WORD.replace("FMT", fmt)
+def _asm(fmt: str, names: dict, signs: str = _SIGNS_F32) -> str:
+    text = _ASM_WORD.replace("SIGNS", signs).replace("FMT", fmt)
     for k, v in names.items():
         text = text.replace(k, v)
     return text
@@ -176,10 +181,49 @@ def _asm(fmt: str, names: dict) -> str:
 _CODES4 = {"X0": "$1", "X1": "$2", "X2": "$3", "X3": "$4", "S0": "$5", "S1": "$6", "S2": "$7", "S3": "$8", "M": "$9"}
 _CODES4_E4M3 = tl.constexpr(_asm("e4m3x2", _CODES4))
 _CODES4_E5M2 = tl.constexpr(_asm("e5m2x2", _CODES4))
+# the same with the bfloat16 inputs in $5, $6 (two per register), 2^-e in $7..$10, mask bytes in $11
+_CODES4B = {"X0": "$1", "X1": "$2", "X2": "$3", "X3": "$4", "B0": "$5", "B1": "$6",
+            "S0": "$7", "S1": "$8", "S2": "$9", "S3": "$10", "M": "$11"}
+_CODES4B_E4M3 = tl.constexpr(_asm("e4m3x2", _CODES4B, _SIGNS_BF16))
+_CODES4B_E5M2 = tl.constexpr(_asm("e5m2x2", _CODES4B, _SIGNS_BF16))
 # pack=1: $1..$4 one element of each of four tensors, $5 their common 2^-e, $6 the mask word
 _WORD4 = {"X0": "$1", "X1": "$2", "X2": "$3", "X3": "$4", "S0": "$5", "S1": "$5", "S2": "$5", "S3": "$5", "M": "$6"}
 _WORD4_E4M3 = tl.constexpr(_asm("e4m3x2", _WORD4))
 _WORD4_E5M2 = tl.constexpr(_asm("e5m2x2", _WORD4))
+# Two words at once from bfloat16 tensors (pack=2: elements a, b of each tensor): $2..$9 the
+# float32 values (x0 a, x0 b, x1 a, ..., x3 b), $10..$13 the bfloat16 pairs {xk a, xk b},
+# $14, $15 the 2^-e of a and b, $16, $17 their mask words; word a -> $0, word b -> $1. The
+# sign bytes of both words take four prmt (two per word, against three): the high bytes
+# {x0 a, x1 a, x0 b, x1 b} of the first two pairs, the same of the last two, then the a and b
+# halves of both.
+_ASM_WORD2 = """{
+.reg .b32 y0, y1, y2, y3, w0, w1, s0, s1, t, u;
+.reg .b16 h0, h1;
+mul.f32 y0, $2, $14;
+mul.f32 y1, $4, $14;
+mul.f32 y2, $6, $14;
+mul.f32 y3, $8, $14;
+cvt.rn.satfinite.FMT.f32 h0, y1, y0;
+cvt.rn.satfinite.FMT.f32 h1, y3, y2;
+mov.b32 w0, {h0, h1};
+mul.f32 y0, $3, $15;
+mul.f32 y1, $5, $15;
+mul.f32 y2, $7, $15;
+mul.f32 y3, $9, $15;
+cvt.rn.satfinite.FMT.f32 h0, y1, y0;
+cvt.rn.satfinite.FMT.f32 h1, y3, y2;
+mov.b32 w1, {h0, h1};
+prmt.b32 t, $10, $11, 0x7351;
+prmt.b32 u, $12, $13, 0x7351;
+lop3.b32 t, t, 0x80808080, 0x7F7F7F7F, 0xEA;
+lop3.b32 u, u, 0x80808080, 0x7F7F7F7F, 0xEA;
+prmt.b32 s0, t, u, 0x5410;
+prmt.b32 s1, t, u, 0x7632;
+lop3.b32 $0, w0, s0, $16, 0xD8;
+lop3.b32 $1, w1, s1, $17, 0xD8;
+}"""
+_WORD2B_E4M3 = tl.constexpr(_ASM_WORD2.replace("FMT", "e4m3x2"))
+_WORD2B_E5M2 = tl.constexpr(_ASM_WORD2.replace("FMT", "e5m2x2"))
 
 
 @triton.jit
@@ -193,15 +237,23 @@ def _codes_asm(x, e, nonfinite, ELEM: tl.constexpr):
     """Codes (uint8, x's shape) of float32 x with scale exponents e and non-finite flags
     (broadcast to x's shape), made four consecutive elements at a time in PTX. Same bytes
     as :func:`_quantize_values` with HW_ROUND (GPU only: no interpreter support)."""
-    return _codes_asm_inv(x, _inv_scale(e), nonfinite, ELEM)
+    return _codes_asm_inv(x, x, _inv_scale(e), nonfinite, ELEM)
 
 
 @triton.jit
-def _codes_asm_inv(x, inv_scale, nonfinite, ELEM: tl.constexpr):
+def _codes_asm_inv(x, xin, inv_scale, nonfinite, ELEM: tl.constexpr):
     """:func:`_codes_asm` with 2^-e given (float32, broadcast to x's shape; any value
-    where ``nonfinite``, whose codes are replaced)."""
+    where ``nonfinite``, whose codes are replaced); ``xin``: the input x was widened from
+    (bfloat16: the sign bytes come from its registers), or x itself."""
     mask = tl.where(nonfinite, -1, 0).to(tl.int8)
-    if ELEM == 0:
+    if xin.dtype == tl.bfloat16:
+        if ELEM == 0:
+            return tl.inline_asm_elementwise(_CODES4B_E4M3, "=r" + ",r" * 11, [x, xin, inv_scale, mask],
+                                             dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_CODES4B_E5M2, "=r" + ",r" * 11, [x, xin, inv_scale, mask],
+                                             dtype=tl.uint8, is_pure=True, pack=4)
+    elif ELEM == 0:
         return tl.inline_asm_elementwise(_CODES4_E4M3, "=r,r,r,r,r,r,r,r,r,r", [x, inv_scale, mask],
                                          dtype=tl.uint8, is_pure=True, pack=4)
     else:
@@ -220,6 +272,21 @@ def _words_asm(x0, x1, x2, x3, e, nonfinite, ELEM: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_WORD4_E5M2, "=r,r,r,r,r,r,r", [x0, x1, x2, x3, _inv_scale(e), mask],
                                          dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_asm_bf16(x0, x1, x2, x3, b0, b1, b2, b3, e, nonfinite, ELEM: tl.constexpr):
+    """:func:`_words_asm` of x0..x3 widened from the bfloat16 tensors b0..b3, two words per
+    PTX call (fewer sign-byte permutes)."""
+    mask = tl.where(nonfinite, -1, 0)
+    if ELEM == 0:
+        return tl.inline_asm_elementwise(_WORD2B_E4M3, "=r,=r" + ",r" * 16,
+                                         [x0, x1, x2, x3, b0, b1, b2, b3, _inv_scale(e), mask],
+                                         dtype=tl.int32, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_WORD2B_E5M2, "=r,=r" + ",r" * 16,
+                                         [x0, x1, x2, x3, b0, b1, b2, b3, _inv_scale(e), mask],
+                                         dtype=tl.int32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -721,6 +788,9 @@ def _mx_grouped_col_t4_kernel(
 # The transposed words are stored either straight from the registers (8 bytes per thread,
 # a 32-byte sector per column and warp) or STAGED: through Triton's coalesced layout (shared
 # memory), which gives each output row 32 G contiguous bytes per program.
+# bfloat16 input stays in its registers (two elements each) as loaded: :func:`_widen` makes
+# the float32 values with one instruction per element, and the PTX takes the NaN rule's sign
+# bytes straight from those registers (:func:`_codes_asm_inv`, :func:`_words_asm_bf16`).
 
 
 @triton.jit
@@ -751,7 +821,8 @@ def _scale_byte_inv(amax_bits, ELEM: tl.constexpr, MODE: tl.constexpr):
 
 @triton.jit
 def _store_u8(ptr, val, mask, ASM: tl.constexpr):
-    """Store uint8 ``val`` at ``ptr`` where ``mask``. ASM: one predicated st.global.b8 per
+    """Store ``val`` (uint8, or int32 in [0, 255]: no truncating op) as bytes at ``ptr``
+    where ``mask``. ASM: one predicated st.global.b8 per
     element from the registers it is in; Triton's tl.store would first move a small
     reduced tensor (scales) to its own coalesced layout through shared memory, with two
     barriers per store. Redundant copies (lanes that share a reduced value) store the same
@@ -774,36 +845,88 @@ def _store_2w(ptr, lo, hi, mask):
 
 
 @triton.jit
-def _load_row8(p0, k: tl.constexpr, step, r0, R, c_ok, SOFT_CASTS: tl.constexpr):
-    """Rows r0 + k (r0 (N, 1)) of the input as float32 (zero at rows >= R or outside the
-    columns); p0: the pointers of rows r0, step: the row stride (one scalar add per row)."""
-    return _to_float32(tl.load(p0 + k * step, mask=(r0 + k < R) & c_ok, other=0.0), SOFT_CASTS)
+def _absmax(a, b):
+    """max(|a|, |b|) of float32 tensors, NaN if either is NaN."""
+    return tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _load_token8(base, src_ptr, t, t_end, c_ok, stride_xt, SOFT_CASTS: tl.constexpr, HAS_SRC: tl.constexpr):
-    """Sorted tokens t (N, 1) (zero at t >= t_end): rows t of x, or rows src[t]."""
+def _absmax_asm(a, b):
+    """:func:`_absmax` in PTX (GPU only): abs.f32 folds into max.NaN.f32 as the |.| operand
+    modifier, one instruction (LLVM turns tl.abs into an and per element)."""
+    return tl.inline_asm_elementwise("{ .reg .f32 a, b; abs.f32 a, $1; abs.f32 b, $2; max.NaN.f32 $0, a, b; }",
+                                     "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _absmax8(x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """Elementwise max of |x_k| over eight float32 tensors (:func:`_absmax`, in PTX if ASM)."""
+    if ASM:
+        return _absmax_asm(_absmax_asm(_absmax_asm(x0, x1), _absmax_asm(x2, x3)),
+                           _absmax_asm(_absmax_asm(x4, x5), _absmax_asm(x6, x7)))
+    else:
+        return _absmax(_absmax(_absmax(x0, x1), _absmax(x2, x3)), _absmax(_absmax(x4, x5), _absmax(x6, x7)))
+
+
+@triton.jit
+def _block_amax_bits(x, axis: tl.constexpr, ASM: tl.constexpr):
+    """The max of |x| along ``axis`` (float32 x, :func:`_absmax`, in PTX if ASM) as int32
+    bits: the bit-pattern max of :func:`_abs_bits` for finite x (subnormals included:
+    max.f32 without .ftz keeps them, as numpy does), and a NaN with the sign clear (at
+    least 0x7F800000, so non-finite) where an element is NaN; +inf where one is infinite."""
+    if ASM:
+        return tl.reduce(x, axis, _absmax_asm).to(tl.int32, bitcast=True)
+    else:
+        return tl.reduce(x, axis, _absmax).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _load_row8(p0, k: tl.constexpr, step, r0, R, c_ok):
+    """Rows r0 + k (r0 (N, 1)) of the input, in its dtype (zero at rows >= R or outside the
+    columns); p0: the pointers of rows r0, step: the row stride (one scalar add per row)."""
+    return tl.load(p0 + k * step, mask=(r0 + k < R) & c_ok, other=0.0)
+
+
+@triton.jit
+def _load_token8(base, src_ptr, t, t_end, c_ok, stride_xt, HAS_SRC: tl.constexpr):
+    """Sorted tokens t (N, 1) (zero at t >= t_end): rows t of x, or rows src[t], in x's dtype."""
     if HAS_SRC:
         rows = tl.load(src_ptr + t, mask=t < t_end, other=0)
     else:
         rows = t
-    return _to_float32(tl.load(base + rows.to(tl.int64) * stride_xt, mask=(t < t_end) & c_ok, other=0.0),
-                       SOFT_CASTS)
+    return tl.load(base + rows.to(tl.int64) * stride_xt, mask=(t < t_end) & c_ok, other=0.0)
 
 
 @triton.jit
-def _row_codes8(x, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, ELEM: tl.constexpr,
-                MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, N: tl.constexpr,
-                BLOCK_C: tl.constexpr):
-    """Row-wise codes and scales of rows r0 + k (r0 (N, 1)) of the tile: x (N, BLOCK_C)
-    float32; q_p0 / s_p0: the code / scale pointers of rows r0 (s_p0: the scale base when
+def _widen(x, SOFT_CASTS: tl.constexpr):
+    """:func:`_to_float32`; on the GPU a bfloat16 pair (one 32-bit register) is widened in
+    PTX with one instruction per element (shl, and), where the cvt Triton emits costs a byte
+    permute more for the upper half. Pure: the t8 helpers widen the same loads again and
+    the compiler keeps one copy."""
+    if x.dtype == tl.bfloat16 and not SOFT_CASTS:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=f,=f,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return _to_float32(x, SOFT_CASTS)
+
+
+@triton.jit
+def _row_codes8(xin, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, ELEM: tl.constexpr,
+                MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+                FMAX: tl.constexpr, N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row-wise codes and scales of rows r0 + k (r0 (N, 1)) of the tile: xin (N, BLOCK_C)
+    as loaded; q_p0 / s_p0: the code / scale pointers of rows r0 (s_p0: the scale base when
     BLOCKED), so that row r0 + k is one scalar add away."""
-    amax = tl.max(tl.reshape(_abs_bits(x), (N, BLOCK_C // 32, 32)), axis=2)  # (N, BLOCK_C // 32)
+    x = _widen(xin, SOFT_CASTS)
+    if FMAX:
+        amax = _block_amax_bits(tl.reshape(x, (N, BLOCK_C // 32, 32)), 2, HW_ROUND == 2)  # (N, BLOCK_C // 32)
+    else:
+        amax = tl.max(tl.reshape(_abs_bits(x), (N, BLOCK_C // 32, 32)), axis=2)
     sb, inv, nf = _scale_byte_inv(amax, ELEM, MODE)
     nf_x = tl.reshape(tl.broadcast_to(nf[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
     if HW_ROUND == 2:
         inv_x = tl.reshape(tl.broadcast_to(inv[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
-        codes = _codes_asm_inv(x, inv_x, nf_x, ELEM)
+        codes = _codes_asm_inv(x, xin, inv_x, nf_x, ELEM)
     else:
         e = tl.where(nf, 0, sb - 127)
         e_x = tl.reshape(tl.broadcast_to(e[:, :, None], (N, BLOCK_C // 32, 32)), (N, BLOCK_C))
@@ -815,13 +938,16 @@ def _row_codes8(x, k: tl.constexpr, r0, R, q_p0, s_p0, c0, cols, b, Cp, R128, EL
         s_p = s_p0 + _scale_offset(b, R, R128, Cp, (r0 + k).to(tl.int64), scols, True)
     else:
         s_p = s_p0 + k * (Cp // 32)
-    _store_u8(s_p, sb.to(tl.uint8), row_ok & (scols < Cp // 32), HW_ROUND == 2)
+    _store_u8(s_p, sb, row_ok & (scols < Cp // 32), HW_ROUND == 2)
 
 
 @triton.jit
-def _col_words8(x0, x1, x2, x3, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
-    """int32 words of the column-wise codes of four consecutive rows (x0 in the low byte)."""
-    if HW_ROUND == 2:
+def _col_words8(x0, x1, x2, x3, b0, b1, b2, b3, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.constexpr):
+    """int32 words of the column-wise codes of four consecutive rows (x0 in the low byte):
+    x_k float32, b_k the tensors they were widened from."""
+    if HW_ROUND == 2 and b0.dtype == tl.bfloat16:
+        return _words_asm_bf16(x0, x1, x2, x3, b0, b1, b2, b3, e_x, nf_x, ELEM)
+    elif HW_ROUND == 2:
         return _words_asm(x0, x1, x2, x3, e_x, nf_x, ELEM)
     else:
         _, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, True)
@@ -832,21 +958,28 @@ def _col_words8(x0, x1, x2, x3, nf_x, e_x, ELEM: tl.constexpr, HW_ROUND: tl.cons
 
 
 @triton.jit
-def _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, b, Rp, blk0, cols, c_ok, C, C128,
+def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols, c_ok, C, C128,
                 ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-                G: tl.constexpr, BLOCK_C: tl.constexpr, STAGED: tl.constexpr):
-    """Column-wise codes and scales of a t8 tile: x_k (4 G, BLOCK_C) float32 (see above),
+                SOFT_CASTS: tl.constexpr, FMAX: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
+                STAGED: tl.constexpr):
+    """Column-wise codes and scales of a t8 tile: b_k (4 G, BLOCK_C) as loaded (see above),
     its 32-row blocks being blk0 .. blk0 + G - 1 of the output's row space; cols (BLOCK_C,)
     int64 and c_ok (BLOCK_C,). Codes go to (B, C, Rp) (written as int32 words), scales to
     (B, C, Rp / 32) (or blocked); b is the matrix index."""
-    m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3))),
-                   tl.maximum(tl.maximum(_abs_bits(x4), _abs_bits(x5)), tl.maximum(_abs_bits(x6), _abs_bits(x7))))
-    amax = tl.max(tl.reshape(m, (G, 4, BLOCK_C)), axis=1)  # (G, BLOCK_C)
+    x0, x1, x2, x3 = _widen(b0, SOFT_CASTS), _widen(b1, SOFT_CASTS), _widen(b2, SOFT_CASTS), _widen(b3, SOFT_CASTS)
+    x4, x5, x6, x7 = _widen(b4, SOFT_CASTS), _widen(b5, SOFT_CASTS), _widen(b6, SOFT_CASTS), _widen(b7, SOFT_CASTS)
+    if FMAX:
+        m = _absmax8(x0, x1, x2, x3, x4, x5, x6, x7, HW_ROUND == 2)
+        amax = _block_amax_bits(tl.reshape(m, (G, 4, BLOCK_C)), 1, HW_ROUND == 2)  # (G, BLOCK_C)
+    else:
+        m = tl.maximum(tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3))),
+                       tl.maximum(tl.maximum(_abs_bits(x4), _abs_bits(x5)), tl.maximum(_abs_bits(x6), _abs_bits(x7))))
+        amax = tl.max(tl.reshape(m, (G, 4, BLOCK_C)), axis=1)
     sb, _, nf = _scale_byte_inv(amax, ELEM, MODE)
     nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
     e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
-    lo = _col_words8(x0, x1, x2, x3, nf_x, e_x, ELEM, HW_ROUND)
-    hi = _col_words8(x4, x5, x6, x7, nf_x, e_x, ELEM, HW_ROUND)
+    lo = _col_words8(x0, x1, x2, x3, b0, b1, b2, b3, nf_x, e_x, ELEM, HW_ROUND)
+    hi = _col_words8(x4, x5, x6, x7, b4, b5, b6, b7, nf_x, e_x, ELEM, HW_ROUND)
     q32 = q_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4)
     blk = blk0 + tl.arange(0, G)
     if STAGED:
@@ -867,7 +1000,7 @@ def _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, b, Rp, blk0, cols,
             tl.store(ptr, lo, mask=w_ok)
             tl.store(ptr + 1, hi, mask=w_ok)
         s_off = _scale_offset(b, C, C128, Rp, cols[None, :], blk[:, None], BLOCKED)
-        _store_u8(s_ptr + s_off, sb.to(tl.uint8), c_ok[None, :] & (blk < Rp // 32)[:, None], HW_ROUND == 2)
+        _store_u8(s_ptr + s_off, sb, c_ok[None, :] & (blk < Rp // 32)[:, None], HW_ROUND == 2)
 
 
 @triton.jit
@@ -878,11 +1011,12 @@ def _mx_tile_t8_kernel(
     Rp, Cp, R128, C128,
     ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
     HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr,
+    STAGED: tl.constexpr, FMAX: tl.constexpr,
 ):
     """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
     from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
-    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above)."""
+    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
+    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns."""
     G: tl.constexpr = BLOCK_R // 32
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -895,14 +1029,14 @@ def _mx_tile_t8_kernel(
     c_in = c_ok[None, :]
     p0 = x_ptr + b * stride_xb + cols[None, :] * stride_xc + r0.to(tl.int64) * stride_xr
     step = stride_xr.to(tl.int64)
-    x0 = _load_row8(p0, 0, step, r0, R, c_in, SOFT_CASTS)
-    x1 = _load_row8(p0, 1, step, r0, R, c_in, SOFT_CASTS)
-    x2 = _load_row8(p0, 2, step, r0, R, c_in, SOFT_CASTS)
-    x3 = _load_row8(p0, 3, step, r0, R, c_in, SOFT_CASTS)
-    x4 = _load_row8(p0, 4, step, r0, R, c_in, SOFT_CASTS)
-    x5 = _load_row8(p0, 5, step, r0, R, c_in, SOFT_CASTS)
-    x6 = _load_row8(p0, 6, step, r0, R, c_in, SOFT_CASTS)
-    x7 = _load_row8(p0, 7, step, r0, R, c_in, SOFT_CASTS)
+    x0 = _load_row8(p0, 0, step, r0, R, c_in)
+    x1 = _load_row8(p0, 1, step, r0, R, c_in)
+    x2 = _load_row8(p0, 2, step, r0, R, c_in)
+    x3 = _load_row8(p0, 3, step, r0, R, c_in)
+    x4 = _load_row8(p0, 4, step, r0, R, c_in)
+    x5 = _load_row8(p0, 5, step, r0, R, c_in)
+    x6 = _load_row8(p0, 6, step, r0, R, c_in)
+    x7 = _load_row8(p0, 7, step, r0, R, c_in)
     if ROWWISE:
         N: tl.constexpr = 4 * G
         r64 = r0.to(tl.int64)
@@ -912,16 +1046,24 @@ def _mx_tile_t8_kernel(
         else:
             s_p0 = sr_ptr + b * R * (Cp // 32) + r64 * (Cp // 32) + (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
         cr = cols[None, :]
-        _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
-        _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, N, BLOCK_C)
+        _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
-                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
+                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
 
 
 @triton.jit
@@ -932,7 +1074,7 @@ def _mx_grouped_col_t8_kernel(
     src_ptr,  # HAS_SRC: (T,) int32, sorted row t is row src[t] of x
     ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
     SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, HAS_SRC: tl.constexpr,
+    STAGED: tl.constexpr, HAS_SRC: tl.constexpr, FMAX: tl.constexpr,
 ):
     """``_mx_grouped_col_kernel`` (codes only) in the t8 layout: a program takes G =
     BLOCK_T / 32 consecutive 32-token blocks of the padded layout, each read as the rows of
@@ -950,13 +1092,13 @@ def _mx_grouped_col_t8_kernel(
     c_ok = cols < C
     base = x_ptr + cols[None, :] * stride_xc
     c_in = c_ok[None, :]
-    x0 = _load_token8(base, src_ptr, t0, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x1 = _load_token8(base, src_ptr, t0 + 1, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x2 = _load_token8(base, src_ptr, t0 + 2, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x3 = _load_token8(base, src_ptr, t0 + 3, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x4 = _load_token8(base, src_ptr, t0 + 4, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x5 = _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x6 = _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
-    x7 = _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, SOFT_CASTS, HAS_SRC)
+    x0 = _load_token8(base, src_ptr, t0, t_end, c_in, stride_xt, HAS_SRC)
+    x1 = _load_token8(base, src_ptr, t0 + 1, t_end, c_in, stride_xt, HAS_SRC)
+    x2 = _load_token8(base, src_ptr, t0 + 2, t_end, c_in, stride_xt, HAS_SRC)
+    x3 = _load_token8(base, src_ptr, t0 + 3, t_end, c_in, stride_xt, HAS_SRC)
+    x4 = _load_token8(base, src_ptr, t0 + 4, t_end, c_in, stride_xt, HAS_SRC)
+    x5 = _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, HAS_SRC)
+    x6 = _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, HAS_SRC)
+    x7 = _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, HAS_SRC)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
-                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, G, BLOCK_C, STAGED)
+                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
