@@ -132,14 +132,22 @@ def sweep() -> dict:
                                   for b in (128, 256) for w in (4, 8)],
                          lambda: kq.quantize_rowwise(x))
     # transposing kernels: t8 (8 x 8 patches per thread, one warp per 32-row group), then
-    # t4 (quarter reads, shared-memory transpose of words) with t8 off
-    best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": False}
+    # t4 (quarter reads, shared-memory transpose of words) with t8 off; fmax: block amax by
+    # float max of |x| (fewer instructions, other register counts) or integer max of the bits
+    best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": False, "fmax": True}
                               for t in ((64, 64), (32, 128))]
-                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m}
-                          for t in ((128, 64), (256, 64)) for m in (None, 128, 120, 112)]
-                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None}
-                          for t in ((64, 128), (128, 128))],
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m, "fmax": f}
+                          for f in (True, False) for t in ((128, 64), (256, 64)) for m in (None, 128, 120, 112, 96)]
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None,
+                           "fmax": True} for t in ((64, 128), (128, 128))],
                        lambda: kq.quantize_rowcol(x))
+    # column-only codes take the same kernel (ROWWISE off): its own timing of fmax
+    t8_best = dict(kq.TUNING["t8"])
+    for f in (True, False):
+        kq.TUNING["t8"] = {**t8_best, "fmax": f}
+        t, err = try_time(lambda: kq.quantize_colwise(x))
+        print(f"sweep t8 colwise fmax={f}: {t * 1e6 if t else float('nan'):.1f} us {err}", flush=True)
+    kq.TUNING["t8"] = t8_best
     t8_best = dict(kq.TUNING["t8"])
     kq.TUNING["t8"] = {**t8_best, "enabled": False}
     best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
@@ -147,10 +155,12 @@ def sweep() -> dict:
                        lambda: kq.quantize_rowcol(x))
     kq.TUNING["t8"] = t8_best
     best["grouped_t8"] = _pick("grouped_t8", [{"block_t": t, "block_c": c, "num_warps": t // 32, "enabled": True,
-                                               "staged": st}
+                                               "staged": st, "fmax": f}
+                                              for f in (True, False)
                                               for st, t, c in ((False, 128, 64), (True, 128, 64), (True, 256, 64))]
                                + [{"block_t": t, "block_c": 64, "num_warps": t // 32, "enabled": True, "staged": True,
-                                   "maxnreg": m} for t in (128, 256) for m in (128, 120, 112)]
+                                   "maxnreg": m, "fmax": f} for f in (True, False) for t in (128, 256)
+                                  for m in (128, 120, 112)]
                                + [{"block_t": 64, "block_c": 64, "num_warps": 2, "enabled": False, "staged": False}],
                                lambda: kq.quantize_grouped_colwise(x, offsets))
     # with t8 off: the quarter-read kernel for codes against the byte kernel
