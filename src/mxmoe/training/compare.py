@@ -61,6 +61,10 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 # backend, which gives the same bits, or with other checkpoint intervals). Not --steps: a
 # run extended to more steps has another learning-rate schedule than a run of that length.
 REUSE_MAY_DIFFER = ("recipe", "out_dir", "device", "progress", "quant_backend", "ckpt_interval", "overwrite")
+# Settings added after runs were written, with the value those runs had: a run from before
+# --no-cuda-graph has no cuda_graph in its config.json and stepped eagerly. (Not in
+# REUSE_MAY_DIFFER: graphed and eager steps differ several-fold in speed on a GPU.)
+SETTINGS_BEFORE_ADDED = {"cuda_graph": False}
 
 
 def parse_recipes(text: str) -> tuple[str, ...]:
@@ -108,6 +112,7 @@ def check_run(cfg: TrainConfig, corpus: Corpus) -> None:
 
 
 def _settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    a, b = {**SETTINGS_BEFORE_ADDED, **a}, {**SETTINGS_BEFORE_ADDED, **b}
     keys = sorted(set(a) | set(b))
     return [k for k in keys if k not in REUSE_MAY_DIFFER and a.get(k) != b.get(k)]
 
@@ -153,7 +158,7 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
         if config is None:
             plans.append(Plan(recipe, dataclasses.replace(rcfg, overwrite=True) if reuse else rcfg, "train"))
             continue
-        saved = config["train"]
+        saved = {**SETTINGS_BEFORE_ADDED, **config["train"]}
         diff = _settings_diff(saved, rcfg.to_dict())
         if diff:
             raise ValueError(f"--reuse: the run in {str(run_dir)!r} has other settings than asked for: "

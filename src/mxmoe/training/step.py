@@ -21,19 +21,32 @@ How (the "whole network capture" of the PyTorch CUDA-graph notes):
    into the device tensors and replays.
 
 Same numbers: a replay runs the kernels the eager step launched, with the same arguments,
-so a graphed run computes the same losses as an eager run with a capturable AdamW (checked
-on the H200 by ``benchmarks/check_cuda_graph.py``). The capturable AdamW keeps its step
-counts and bias corrections on the device, which rounds differently in the last bits from
-the host-side arithmetic of the default AdamW, so a graphed run and a ``--no-cuda-graph``
-run are close, not bit-equal.
+so a graphed run computes what an eager run with a capturable AdamW computes, up to the
+run-to-run spread of the step's atomic-using CUDA ops (``benchmarks/check_cuda_graph.py``
+compares them on the GPU). The capturable AdamW keeps its step counts and bias
+corrections on the device, which rounds differently in the last bits from the host-side
+arithmetic of the default AdamW, so a graphed run and a ``--no-cuda-graph`` run are close,
+not bit-equal.
+
+Device and streams: everything of the graphed path runs under ``torch.cuda.device`` of the
+model's device, and the warm-up step and the capture use one side stream of that device
+(``torch.cuda.graph``'s own default capture stream lives on whichever device was current
+when it was first made: with the model on ``cuda:1`` and ``cuda:0`` current, the capture
+would record nothing and every replay would do nothing).
 
 Requirements on the model: no host synchronization in forward or backward (no
 ``.item()``, no ``torch.bincount`` on CUDA, no shapes that depend on values). If capture
-fails anyway, the step falls back to eager execution for the rest of the run, with a note.
+fails anyway (a ``RuntimeError``, which CUDA errors, ``torch.AcceleratorError``, are), the
+step falls back to eager execution for the rest of the run, with a note: the gradients
+the capture allocated are dropped, AdamW goes back to its default (non-capturable) mode
+(capture runs no kernel, so parameters and AdamW state are those after the warm-up step),
+and the current stream, which ``torch.cuda.graph`` leaves on its capture stream when ending
+a failed capture raises, is restored.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, NamedTuple
 
 import torch
@@ -88,6 +101,16 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
             g["lr"] = lr
 
 
+def _first_cause(err: BaseException) -> str:
+    """Type and first line of the error that made a capture fail: when an op fails inside
+    ``torch.cuda.graph``, ending the invalidated capture raises again ("operation failed due
+    to a previous error during capture"), with the op's own error as its context."""
+    while "previous error during capture" in str(err) and err.__context__ is not None:
+        err = err.__context__
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 class TrainStep:
     """Callable running one optimizer step of ``model`` on a batch.
 
@@ -113,6 +136,7 @@ class TrainStep:
         self.graphed = bool(cuda_graph) and device.type == "cuda"
         configure_optimizer(opt, device, capturable=self.graphed)
         self._warm = False
+        self._stream = None  # the side stream of the warm-up step and the capture (graph mode)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: tuple[Tensor, Tensor, StepOutputs] | None = None
 
@@ -135,6 +159,10 @@ class TrainStep:
         set_lr(self.opt, lr)
         if not self.graphed:
             return self._eager(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        with torch.cuda.device(self.device):  # streams, capture and replay on the model's device
+            return self._graphed(x, y, lr)
+
+    def _graphed(self, x: Tensor, y: Tensor, lr: float) -> StepOutputs:
         if self._graph is not None:
             sx, sy, outs = self._static
             sx.copy_(x, non_blocking=True)
@@ -142,28 +170,37 @@ class TrainStep:
             self._graph.replay()
             return outs
         x, y = x.to(self.device), y.to(self.device)
+        main = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
         if not self._warm:  # first step: eager, on a side stream (set-up work stays out of the graph)
-            main = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            self._stream.wait_stream(main)
+            with torch.cuda.stream(self._stream), warnings.catch_warnings():
+                # AdamW warns once that a capturable instance steps uncaptured: intended here
+                warnings.filterwarnings("ignore", message=".*capturable=True.*without .* graph capture")
                 outs = self._eager(x, y)
-            main.wait_stream(side)
+            main.wait_stream(self._stream)
             self._warm = True
             return outs
         sx, sy = x.clone(), y.clone()
         graph = torch.cuda.CUDAGraph()
+        failure = None
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self._stream):
                 outs = self._run(sx, sy)
-        except RuntimeError as err:  # an op that cannot be captured: go on eagerly
-            self.opt.zero_grad(set_to_none=True)
-            self.graphed = False
-            configure_optimizer(self.opt, self.device, capturable=False)
-            set_lr(self.opt, lr)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            self.log(f"note: CUDA graph capture of the train step failed ({first}); running eagerly")
-            return self._eager(x, y)
-        self._graph, self._static = graph, (sx, sy, outs)
-        graph.replay()
-        return outs
+        except RuntimeError as err:  # an op that cannot be captured: go on eagerly (below)
+            failure = _first_cause(err)
+        if failure is None:
+            self._graph, self._static = graph, (sx, sy, outs)
+            graph.replay()
+            return outs
+        # out of the except block, so that the traceback's frames (the partial capture's
+        # tensors and autograd nodes, bound to the capture stream) are released first
+        torch.cuda.set_stream(main)  # a failed capture_end leaves the capture stream current
+        del graph
+        self.opt.zero_grad(set_to_none=True)  # gradients allocated by the capture: never computed
+        self.graphed = False
+        configure_optimizer(self.opt, self.device, capturable=False)
+        set_lr(self.opt, lr)
+        self.log(f"note: CUDA graph capture of the train step failed ({failure}); running eagerly")
+        return self._eager(x, y)
