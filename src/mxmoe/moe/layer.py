@@ -316,7 +316,10 @@ class MoELayer(nn.Module):
         ValueError: ``mx_dispatch`` with a recipe that does not quantize.
 
     Forward: ``x`` (..., D) in the activation dtype -> (y (..., D), :class:`MoEAux`).
-    After each forward, ``last_tokens_per_expert`` holds the (E,) token counts.
+    After each forward, ``last_tokens_per_expert`` holds the (E,) token counts. (A CUDA graph
+    replay of a captured forward rewrites the tensor assigned at capture, not the
+    attribute: after any later eager forward, such as an evaluation, the attribute no longer
+    follows the replays; read the counts from the model output instead.)
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, d_expert: int, n_layers: int,
