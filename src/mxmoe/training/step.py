@@ -32,7 +32,7 @@ Device and streams: everything of the graphed path runs under ``torch.cuda.devic
 model's device, and the warm-up step and the capture use one side stream of that device
 (``torch.cuda.graph``'s own default capture stream lives on whichever device was current
 when it was first made: with the model on ``cuda:1`` and ``cuda:0`` current, the capture
-would record nothing and every replay would do nothing).
+would fail, or record an empty graph whose replays do nothing, pytorch#87894).
 
 Requirements on the model: no host synchronization in forward or backward (no
 ``.item()``, no ``torch.bincount`` on CUDA, no shapes that depend on values). If capture
