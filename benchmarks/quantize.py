@@ -122,24 +122,30 @@ def _pick(kind: str, options: list[dict], run) -> dict:
     return best
 
 
-def sweep() -> dict:
-    """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel."""
+def sweep(only: set | None = None) -> dict:
+    """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel. ``only``
+    {"t8"}: the t8 tile kernel alone (row + column, then column-only at the best setting)."""
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
     # hw_round 1: Triton's float8 cast; 2: the PTX that also packs codes and applies the NaN rule
-    best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": h} for h in (1, 2)
-                                  for b in (128, 256) for w in (4, 8)],
-                         lambda: kq.quantize_rowwise(x))
+    if only is None:
+        best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": h} for h in (1, 2)
+                                      for b in (128, 256) for w in (4, 8)],
+                             lambda: kq.quantize_rowwise(x))
     # transposing kernels: t8 (8 x 8 patches per thread, one warp per 32-row group), then
     # t4 (quarter reads, shared-memory transpose of words) with t8 off; fmax: block amax by
     # float max of |x| (fewer instructions, other register counts) or integer max of the bits
-    best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": False, "fmax": True}
-                              for t in ((64, 64), (32, 128))]
-                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m, "fmax": f}
-                          for f in (True, False) for t in ((128, 64), (256, 64)) for m in (None, 128, 120, 112, 96)]
-                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None,
-                           "fmax": True} for t in ((64, 128), (128, 128))],
+    # (sweep of 35f56a9: fmax on beats off at every setting; unstaged and 256-row tiles lose)
+    # tiles: row tiles per program, software-pipelined
+    best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m,
+                               "fmax": True, "tiles": n}
+                              for t in ((128, 64), (64, 64), (32, 64)) for n in (1, 2, 3, 4) for m in (None, 168)
+                              if not (n == 1 and m == 168)]
+                       + [{"tile": (128, 128), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": None,
+                           "fmax": True, "tiles": n} for n in (1, 2)]
+                       + [{"tile": (64, 128), "num_warps": 2, "enabled": True, "staged": True, "maxnreg": None,
+                           "fmax": True, "tiles": n} for n in (1, 2)],
                        lambda: kq.quantize_rowcol(x))
     # column-only codes take the same kernel (ROWWISE off): its own timing of fmax
     t8_best = dict(kq.TUNING["t8"])
@@ -148,6 +154,9 @@ def sweep() -> dict:
         t, err = try_time(lambda: kq.quantize_colwise(x))
         print(f"sweep t8 colwise fmax={f}: {t * 1e6 if t else float('nan'):.1f} us {err}", flush=True)
     kq.TUNING["t8"] = t8_best
+    if only is not None:
+        print("tuning:", json.dumps(kq.TUNING))
+        return best
     t8_best = dict(kq.TUNING["t8"])
     kq.TUNING["t8"] = {**t8_best, "enabled": False}
     best["t4"] = _pick("t4", [{"tile": t, "num_warps": w, "enabled": True}
@@ -180,6 +189,7 @@ def sweep() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="tune launch settings first")
+    ap.add_argument("--sweep-only", default=None, choices=["t8"], help="sweep only this kernel's settings")
     ap.add_argument("--out", default=None, help="JSON result file")
     ap.add_argument("--torchao-triton", action="store_true",
                     help="also try torchao's Triton MXFP8 kernels (gated to sm100; fail in PTXAS on sm90)")
@@ -193,7 +203,7 @@ def main() -> int:
     tao = load_torchao()
     info["torchao"] = tao["version"] if tao else None
     print(json.dumps(info))
-    tuning = sweep() if args.sweep else None
+    tuning = sweep({args.sweep_only} if args.sweep_only else None) if args.sweep or args.sweep_only else None
     info["tuning"] = json.loads(json.dumps(kq.TUNING))
     info["sweep_best"] = tuning
     rows = []
