@@ -66,7 +66,9 @@ def batches(cfg, n, dev):
              torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), generator=g)) for _ in range(n)]
 
 
-def run(model, cfg, dev, data, mode):
+def run(model, cfg, dev, data, mode, n_sched=None):
+    """Train on ``data``; the lr warms up linearly over ``n_sched`` steps (default len(data))."""
+    n_sched = n_sched or len(data)
     opt = make_optimizer(model, cfg)
     step = TrainStep(model, opt, cfg.grad_clip, dev, cuda_graph=(mode == "graph"))
     if mode == "eager-capturable":
@@ -75,7 +77,7 @@ def run(model, cfg, dev, data, mode):
     for i, (x, y) in enumerate(data):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        outs = step(x, y, cfg.lr * (i + 1) / len(data))
+        outs = step(x, y, cfg.lr * (i + 1) / n_sched)
         loss = outs.ce_loss.item()
         times.append(time.perf_counter() - t)
         losses.append(loss)
@@ -141,7 +143,7 @@ def main(argv=None):
         torch.utils.deterministic.fill_uninitialized_memory = True
         try:
             with sdpa_kernel([SDPBackend.MATH]):
-                filled = run(model, cfg, dev, data[:3], "eager")
+                filled = run(model, cfg, dev, data[:3], "eager", n_sched=len(data))
         finally:
             torch.use_deterministic_algorithms(False)
         finite = all(map(math.isfinite, filled[0] + filled[1]))

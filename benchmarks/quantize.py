@@ -136,16 +136,13 @@ def sweep(only: set | None = None) -> dict:
     # transposing kernels: t8 (8 x 8 patches per thread, one warp per 32-row group), then
     # t4 (quarter reads, shared-memory transpose of words) with t8 off; fmax: block amax by
     # float max of |x| (fewer instructions, other register counts) or integer max of the bits
-    # (sweep of 35f56a9: fmax on beats off at every setting; unstaged and 256-row tiles lose)
-    # tiles: row tiles per program, software-pipelined
+    # (sweep of 35f56a9: fmax on beats off at every setting; unstaged and 256-row tiles lose;
+    # at 506a2f9 two or more row tiles per program, software-pipelined, gained nothing:
+    # 167.8-202 us against 168-170, so that kernel option was removed)
     best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m,
-                               "fmax": True, "tiles": n}
-                              for t in ((128, 64), (64, 64), (32, 64)) for n in (1, 2, 3, 4) for m in (None, 168)
-                              if not (n == 1 and m == 168)]
-                       + [{"tile": (128, 128), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": None,
-                           "fmax": True, "tiles": n} for n in (1, 2)]
-                       + [{"tile": (64, 128), "num_warps": 2, "enabled": True, "staged": True, "maxnreg": None,
-                           "fmax": True, "tiles": n} for n in (1, 2)],
+                               "fmax": True} for t in ((128, 64), (64, 64)) for m in (None, 128, 120)]
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None,
+                           "fmax": True} for t in ((64, 128), (128, 128))],
                        lambda: kq.quantize_rowcol(x))
     # column-only codes take the same kernel (ROWWISE off): its own timing of fmax
     t8_best = dict(kq.TUNING["t8"])

@@ -271,23 +271,20 @@ def test_recipe_on_the_kernels_is_bit_identical(recipe_name):
 
 @pytest.mark.parametrize("tile", [(32, 32), (32, 64), (64, 32), (64, 256), (128, 64)])
 @pytest.mark.parametrize("pack_t", [False, True])
-@pytest.mark.parametrize("t4,t8", [(False, False), (True, False), (False, True), (False, "staged"), (False, "intmax"),
-                                   (False, "tiles3")])
+@pytest.mark.parametrize("t4,t8", [(False, False), (True, False), (False, True), (False, "staged"), (False, "intmax")])
 def test_every_kernel_variant(monkeypatch, tile, pack_t, t4, t8):
     """Tile shapes one block wide or high take reshape-free reductions; pack_t stores
     transposed codes as int32 words; rows_flat=False sends row-wise through the tile
     kernel; t4 sends transposed copies through the kernels that read four row-interleaved
     quarters and pack before transposing; t8 through the kernels that hold 8 x 8 patches
     per thread (storing from registers, or staged through a coalesced layout; intmax: block
-    amax as the integer max of the bit patterns, not the float max of |x|; tiles3: three
-    row tiles per program, software-pipelined). Every variant
+    amax as the integer max of the bit patterns, not the float max of |x|). Every variant
     gives the same bytes."""
     monkeypatch.setattr(kq, "_TILE_INTERPRETER", tile)
     monkeypatch.setitem(kq.TUNING, "pack_t", pack_t)
     monkeypatch.setitem(kq.TUNING, "rows_flat", not pack_t)
     monkeypatch.setitem(kq.TUNING, "t4", {**kq.TUNING["t4"], "enabled": t4})
-    t8_settings = {"enabled": bool(t8), "staged": t8 in ("staged", "intmax"), "fmax": t8 != "intmax",
-                   "tiles": 3 if t8 == "tiles3" else 1}
+    t8_settings = {"enabled": bool(t8), "staged": t8 in ("staged", "intmax"), "fmax": t8 != "intmax"}
     monkeypatch.setitem(kq.TUNING, "t8", {**kq.TUNING["t8"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "grouped_t8", {**kq.TUNING["grouped_t8"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4, "codes": t4})

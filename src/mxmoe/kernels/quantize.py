@@ -65,10 +65,7 @@ TUNING = {
     # modifier is free) instead of and + integer max over the bits (same scale bytes; Triton
     # 3.6 SASS per thread, 128 x 64 staged: row + column 1128 -> 1088 instructions, registers
     # 162 -> 127; column-only 720 -> 704, registers 70 -> 96: the sweep times both)
-    # tiles: row tiles per program, software-pipelined (the next tile's loads issued before
-    # the current tile's arithmetic)
-    "t8": {"tile": (128, 64), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": 128, "fmax": True,
-           "tiles": 1},
+    "t8": {"tile": (128, 64), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": 128, "fmax": True},
     # grouped column-wise codes (with or without the fused token gather) through
     # _mx_grouped_col_t8_kernel, block_t tokens per program
     "grouped_t8": {"block_t": 256, "block_c": 64, "num_warps": 8, "enabled": True, "staged": True, "maxnreg": None,
@@ -134,7 +131,7 @@ def _launch_settings(kind: str) -> dict:
     the kind's kernel switches (``enabled``, ``codes``) kept as set."""
     common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
-        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes", "staged", "fmax", "tiles")}
+        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes", "staged", "fmax")}
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
                 "hw_round": False, "soft_casts": True, "enabled": True, **switches, **common}
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
@@ -209,11 +206,9 @@ def launch_tile(
     elif B and R and C and (use_t8 or use_t4):  # t8 first; both take the same arguments
         cfg = t8 if use_t8 else t4
         kernel = tk._mx_tile_t8_kernel if use_t8 else tk._mx_tile_t4_kernel
-        tiles = cfg.get("tiles", 1) if use_t8 else 1
-        extra = {"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), "TILES": tiles,
-                 **_register_cap(cfg)} if use_t8 else {}
+        extra = {"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), **_register_cap(cfg)} if use_t8 else {}
         block_r, block_c = cfg["tile"]
-        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r * tiles), B)
+        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
         kernel[grid](
             x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
             ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=cfg["hw_round"],

@@ -1011,17 +1011,13 @@ def _mx_tile_t8_kernel(
     Rp, Cp, R128, C128,
     ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
     HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, FMAX: tl.constexpr, TILES: tl.constexpr,
+    STAGED: tl.constexpr, FMAX: tl.constexpr,
 ):
     """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
     from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
     (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
-    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns.
-    TILES: a program takes TILES tiles down the rows, the loads of each next tile issued
-    before the current one is processed (a software pipeline: loads stay in flight while
-    the program computes, at the cost of one more tile of registers)."""
+    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns."""
     G: tl.constexpr = BLOCK_R // 32
-    N: tl.constexpr = 4 * G
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -1029,12 +1025,10 @@ def _mx_tile_t8_kernel(
     c0 = pid_c * BLOCK_C
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
     c_ok = cols < C
+    r0 = (pid_r * BLOCK_R + 32 * (i // 4) + 8 * (i % 4))[:, None]  # the first of each thread's 8 rows
     c_in = c_ok[None, :]
+    p0 = x_ptr + b * stride_xb + cols[None, :] * stride_xc + r0.to(tl.int64) * stride_xr
     step = stride_xr.to(tl.int64)
-    pb = x_ptr + b * stride_xb + cols[None, :] * stride_xc
-    rt = pid_r * TILES  # this program's first row tile
-    r0 = (rt * BLOCK_R + 32 * (i // 4) + 8 * (i % 4))[:, None]  # the first of each thread's 8 rows
-    p0 = pb + r0.to(tl.int64) * step
     x0 = _load_row8(p0, 0, step, r0, R, c_in)
     x1 = _load_row8(p0, 1, step, r0, R, c_in)
     x2 = _load_row8(p0, 2, step, r0, R, c_in)
@@ -1043,47 +1037,33 @@ def _mx_tile_t8_kernel(
     x5 = _load_row8(p0, 5, step, r0, R, c_in)
     x6 = _load_row8(p0, 6, step, r0, R, c_in)
     x7 = _load_row8(p0, 7, step, r0, R, c_in)
-    for t in tl.static_range(TILES):
-        if t + 1 < TILES:  # the next tile's loads, issued before this tile's arithmetic
-            rn = r0 + BLOCK_R
-            pn = p0 + BLOCK_R * step
-            y0 = _load_row8(pn, 0, step, rn, R, c_in)
-            y1 = _load_row8(pn, 1, step, rn, R, c_in)
-            y2 = _load_row8(pn, 2, step, rn, R, c_in)
-            y3 = _load_row8(pn, 3, step, rn, R, c_in)
-            y4 = _load_row8(pn, 4, step, rn, R, c_in)
-            y5 = _load_row8(pn, 5, step, rn, R, c_in)
-            y6 = _load_row8(pn, 6, step, rn, R, c_in)
-            y7 = _load_row8(pn, 7, step, rn, R, c_in)
-        if ROWWISE:
-            r64 = r0.to(tl.int64)
-            q_p0 = qr_ptr + b * R * Cp + r64 * Cp + cols[None, :]
-            if BLOCKED:
-                s_p0 = sr_ptr
-            else:
-                s_p0 = sr_ptr + b * R * (Cp // 32) + r64 * (Cp // 32) + (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
-            cr = cols[None, :]
-            _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-            _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
-                        FMAX, N, BLOCK_C)
-        _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, (rt + t) * G, cols, c_ok,
-                    C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
-        if t + 1 < TILES:
-            x0, x1, x2, x3, x4, x5, x6, x7 = y0, y1, y2, y3, y4, y5, y6, y7
-            r0, p0 = rn, pn
+    if ROWWISE:
+        N: tl.constexpr = 4 * G
+        r64 = r0.to(tl.int64)
+        q_p0 = qr_ptr + b * R * Cp + r64 * Cp + cols[None, :]
+        if BLOCKED:
+            s_p0 = sr_ptr
+        else:
+            s_p0 = sr_ptr + b * R * (Cp // 32) + r64 * (Cp // 32) + (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
+        cr = cols[None, :]
+        _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+        _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
+                    N, BLOCK_C)
+    _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
+                C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
 
 
 @triton.jit
