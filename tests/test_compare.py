@@ -349,3 +349,20 @@ def test_compare_refuses_expert_parallel(tmp_path, text_file):
     assert main(["compare", *TINY_FLAGS, "--data", str(text_file), "--out-dir", str(out), "--recipes", "bf16",
                  "--expert-parallel", "2"]) == 2
     assert not out.exists()
+
+
+@pytest.mark.parametrize("graphs,line", [((True, True), "replayed from a CUDA graph after the first step"),
+                                         ((False, None), "launched eagerly from Python"),
+                                         ((True, False), "speeds are not comparable")])
+def test_report_says_how_gpu_steps_ran(tmp_path, graphs, line):
+    """GPU runs: the report states whether the steps were replayed from a CUDA graph (a run
+    from before the option has no cuda_graph in its config and stepped eagerly)."""
+    for recipe, graph in zip(("bf16", "mxfp8"), graphs):
+        d = fake_run(tmp_path, recipe, val=2.0, ms=10.0, mem=1.0, device="cuda:0", device_name="NVIDIA H200")
+        config = json.loads((d / "config.json").read_text())
+        if graph is None:
+            del config["train"]["cuda_graph"]
+        else:
+            config["train"]["cuda_graph"] = graph
+        (d / "config.json").write_text(json.dumps(config))
+    assert line in build_report(tmp_path).read_text()

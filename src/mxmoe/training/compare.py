@@ -515,6 +515,19 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
                     + " TFLOP/s); n/a on the CPU and on other GPUs unless --peak-tflops is given."))
     lines.append("- Curves: `loss.png`; per-step metrics: " + ", ".join(f"`metrics-{r.recipe}.jsonl`" for r in runs)
                  + ".")
+    if "cuda" in kinds:
+        graphed = {r.recipe: r.config["train"].get("cuda_graph", SETTINGS_BEFORE_ADDED["cuda_graph"])
+                   for r in runs if r.memory_kind == "cuda"}
+        if all(graphed.values()):
+            lines.append("- GPU steps: replayed from a CUDA graph after the first step (the default on CUDA; "
+                         "`--no-cuda-graph` launches every kernel from Python).")
+        elif not any(graphed.values()):
+            lines.append("- GPU steps: launched eagerly from Python (`--no-cuda-graph`, or a run from before "
+                         "CUDA-graph steps).")
+        else:
+            lines.append("- GPU steps: replayed from a CUDA graph for " + ", ".join(k for k, v in graphed.items() if v)
+                         + "; launched eagerly for " + ", ".join(k for k, v in graphed.items() if not v)
+                         + ": speeds are not comparable.")
     commits = sorted({(r.result or {}).get("git") for r in runs} - {None})
     if commits:
         lines.append(f"- Code: mxmoe at git {', '.join(commits)}.")
