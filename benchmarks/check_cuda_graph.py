@@ -37,7 +37,6 @@ from mxmoe.cli import add_train_arguments, config_from_args
 from mxmoe.cli.presets import apply_preset, explicit_dests
 from mxmoe.model.transformer import MoETransformer
 from mxmoe.recipe import get_recipe
-from mxmoe.training import trainer as trainer_mod
 from mxmoe.training.step import TrainStep, configure_optimizer
 from mxmoe.training.trainer import make_optimizer
 
@@ -134,7 +133,7 @@ def main(argv=None):
         d = max(abs(a - b) for a, b in zip(res["graph"][0], res["eager"][0]))
         print(f"  max |loss(graph) - loss(eager, default AdamW)| = {d:.3g}; losses {res['graph'][0][-1]:.5f} / "
               f"{res['eager'][0][-1]:.5f}")
-        del models
+        models.clear()
         # uninitialized memory: eager steps with every fresh allocation filled with NaN
         # (torch.utils.deterministic.fill_uninitialized_memory); a kernel that reads memory
         # it did not write turns the loss or the gradients non-finite

@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 
 from mxmoe.cli import add_train_arguments, config_from_args
 from mxmoe.cli.presets import apply_preset, explicit_dests
@@ -92,11 +93,11 @@ def main(argv=None):
                 one_step(model, opt, x, y)
             torch.cuda.synchronize()
         ka = prof.key_averages()
-        kernel_us = sum(e.device_time_total for e in ka if e.device_type.name == "CUDA") / 3 if hasattr(
-            ka[0], "device_type") else float("nan")
-        # self device time of every event (kernels only have self time)
-        dev_self = sum(getattr(e, "self_device_time_total", 0.0) for e in ka) / 3
-        n_kernels = sum(e.count for e in ka if getattr(e, "self_device_time_total", 0) > 0) / 3
+        # the kernels themselves (device-side events); the CPU-side ops that launched them
+        # carry the same time as their own "Self CUDA" and are left out
+        kernels = [e for e in ka if e.device_type == DeviceType.CUDA]
+        dev_self = sum(e.self_device_time_total for e in kernels) / 3
+        n_kernels = sum(e.count for e in kernels) / 3
         print(f"\n=== {name}: wall {wall_ms:.2f} ms/step | CUDA-event {gpu_ms:.2f} ms/step | kernel sum "
               f"{dev_self / 1e3:.2f} ms/step | {n_kernels:.0f} kernels/step")
         print(ka.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=70))
