@@ -365,3 +365,24 @@ def test_linear_with_one_gradient(need, recipe):
         assert torch.equal(x.grad, rdx)
     if need[1]:
         assert torch.equal(w.grad, rdw)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_linear_without_grad_mode_quantizes_only_the_forward_copies(monkeypatch, mode):
+    """Under no_grad (the trainer's evaluation) a weight that requires grad makes
+    ctx.needs_input_grad ask for dw, yet no graph is kept: the op must not quantize the
+    backward's copies (at 69d7e3d every linear quantized x along tokens too, then dropped it).
+    The values are those of the forward with grad mode on."""
+    import mxmoe.ops.linear as linear_mod
+
+    gen = torch.Generator().manual_seed(9)
+    x, w = octave_spread(40, 64, gen, 1), octave_spread(48, 64, gen, 0).requires_grad_(True)
+    want = mx_linear(x, w, "mxfp8").detach()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fake_quantize_rowcol called without a graph to keep its copies")
+
+    monkeypatch.setattr(linear_mod, "fake_quantize_rowcol", refuse)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        got = mx_linear(x, w, "mxfp8")
+    assert not got.requires_grad and torch.equal(got, want)

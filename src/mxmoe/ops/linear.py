@@ -100,5 +100,11 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     if not recipe.quantize:
         return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).to(x.dtype)
     lead = x.shape[:-1]
-    y = _MXLinearFunction.apply(x.reshape(-1, x.shape[-1]), w, recipe)
+    x_TK = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        y = _MXLinearFunction.apply(x_TK, w, recipe)
+    else:  # no graph (evaluation under no_grad): only the forward GEMM's copies, not the
+        # backward's (ctx.needs_input_grad follows requires_grad, not the grad mode)
+        y = fake_quantize(x_TK, recipe, dim=1, out_dtype=x.dtype) @ fake_quantize(w, recipe, dim=1,
+                                                                               out_dtype=x.dtype).t()
     return y.reshape(*lead, w.shape[0])
