@@ -366,3 +366,23 @@ def test_report_says_how_gpu_steps_ran(tmp_path, graphs, line):
             config["train"]["cuda_graph"] = graph
         (d / "config.json").write_text(json.dumps(config))
     assert line in build_report(tmp_path).read_text()
+
+
+def test_report_says_eager_after_a_failed_capture(tmp_path):
+    """A run asked for CUDA graphs (config.json) whose capture failed went on eagerly: its
+    metrics say so step by step, and the report must not claim graph replays (at 61ac442 it
+    read only config.json's setting)."""
+    for recipe in ("bf16", "mxfp8"):
+        d = fake_run(tmp_path, recipe, val=2.0, ms=10.0, mem=1.0, device="cuda:0", device_name="NVIDIA H200")
+        config = json.loads((d / "config.json").read_text())
+        config["train"]["cuda_graph"] = True
+        (d / "config.json").write_text(json.dumps(config))
+        if recipe == "mxfp8":  # capture failed at step 2: eager from then on
+            lines = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            for m in lines:
+                if m["kind"] == "train":
+                    m["cuda_graph"] = m["step"] < 2
+            (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    text = build_report(tmp_path).read_text()
+    assert "replayed from a CUDA graph for bf16; launched eagerly for mxfp8" in text
+    assert "replayed from a CUDA graph after the first step" not in text

@@ -303,6 +303,8 @@ class RunSummary:
             built (interpreter, torch and corpus), when recorded.
         flops_per_token: training FLOPs per token (config.json).
         device, device_name: where it ran. config: config.json. result: result.json or None.
+        cuda_graph: every train step ran graphed (metrics' ``cuda_graph``: False from a
+            failed capture on; lines without it take config.json's setting).
     """
 
     recipe: str
@@ -324,6 +326,7 @@ class RunSummary:
     device_name: str | None
     config: dict[str, Any]
     result: dict[str, Any] | None
+    cuda_graph: bool = False
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -360,6 +363,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
     timed = [m["ms_per_step"] for m in train if m["step"] > WARMUP_STEPS_SKIPPED] or [m["ms_per_step"] for m in train]
     ms = sum(timed) / len(timed) if timed else math.nan
     device = config.get("device", "cpu")
+    asked_graph = tcfg.get("cuda_graph", SETTINGS_BEFORE_ADDED["cuda_graph"])
     return RunSummary(
         recipe=tcfg["recipe"], run_dir=run_dir, steps=tcfg["steps"], last_step=last_step, finished=finished,
         train_curve=train_curve, val_curve=val_curve,
@@ -371,6 +375,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
         rss_before_model_gib=(result or {}).get("rss_before_model_gib"),
         flops_per_token=config["flops_per_token"], device=device,
         device_name=(result or {}).get("device_name"), config=config, result=result,
+        cuda_graph=all(m.get("cuda_graph", asked_graph) for m in train),
     )
 
 
@@ -516,14 +521,13 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
     lines.append("- Curves: `loss.png`; per-step metrics: " + ", ".join(f"`metrics-{r.recipe}.jsonl`" for r in runs)
                  + ".")
     if "cuda" in kinds:
-        graphed = {r.recipe: r.config["train"].get("cuda_graph", SETTINGS_BEFORE_ADDED["cuda_graph"])
-                   for r in runs if r.memory_kind == "cuda"}
+        graphed = {r.recipe: r.cuda_graph for r in runs if r.memory_kind == "cuda"}
         if all(graphed.values()):
             lines.append("- GPU steps: replayed from a CUDA graph after the first step (the default on CUDA; "
                          "`--no-cuda-graph` launches every kernel from Python).")
         elif not any(graphed.values()):
-            lines.append("- GPU steps: launched eagerly from Python (`--no-cuda-graph`, or a run from before "
-                         "CUDA-graph steps).")
+            lines.append("- GPU steps: launched eagerly from Python (`--no-cuda-graph`, a graph capture that "
+                         "failed, or a run from before CUDA-graph steps).")
         else:
             lines.append("- GPU steps: replayed from a CUDA graph for " + ", ".join(k for k, v in graphed.items() if v)
                          + "; launched eagerly for " + ", ".join(k for k, v in graphed.items() if not v)

@@ -382,6 +382,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             "z_loss": outs.z_loss.item(), "grad_norm": outs.grad_norm.item(), "lr": lr,
             "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
             "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
+            "cuda_graph": train_step.graphed,  # False after a capture that failed (eager from then on)
         }
         if not math.isfinite(loss):
             metrics.write(record)
