@@ -386,3 +386,19 @@ def test_linear_without_grad_mode_quantizes_only_the_forward_copies(monkeypatch,
     with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
         got = mx_linear(x, w, "mxfp8")
     assert not got.requires_grad and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8-bf16-wgrad"])
+def test_linear_saves_one_activation_sized_tensor_and_no_weight_copy(recipe):
+    """What mx_linear keeps for backward: x's token-blocked copy (or x itself for a
+    high-precision wgrad), the size of x in its dtype, and the weight parameter itself,
+    never a quantized copy of the weight."""
+    x = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 96, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mx_linear(x, w, recipe)
+    weights = [t for t in saved if t.shape == w.shape]
+    assert weights and all(t.data_ptr() == w.data_ptr() for t in weights)
+    others = [t for t in saved if t.data_ptr() != w.data_ptr()]
+    assert sum(t.numel() * t.element_size() for t in others) == x.numel() * x.element_size()

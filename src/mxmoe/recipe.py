@@ -36,7 +36,9 @@ class Recipe:
         backend: quantizer backend, "auto" (Triton kernels for CUDA tensors in float32 or
             bfloat16, the pure-torch reference otherwise), "reference" or "triton" (which
             refuses what it does not cover, float16 activations for one). Every backend
-            gives the same bytes, so the choice changes speed only.
+            gives the same codes, scales and dequantized values (a NaN block dequantizes
+            to NaN whose payload bits follow the device's float conversion), so the
+            choice changes speed only.
     """
 
     name: str

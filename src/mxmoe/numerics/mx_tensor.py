@@ -240,7 +240,9 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str
         mx: an :class:`MXTensor`.
         dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
         backend: "auto" (the Triton kernel for CUDA FP8 tensors and float32/bfloat16
-            output), "reference" or "triton"; every backend gives the same values.
+            output), "reference" or "triton"; every backend gives the same values
+            (blocks with scale 255 are NaN; the NaN payload bits of bfloat16/float16
+            output follow the device's float conversion, e.g. 0x7FC0 or 0xFFFF).
 
     Returns:
         Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was.

@@ -45,7 +45,8 @@ class TrainConfig:
     Attributes:
         recipe: precision recipe name ("bf16", "mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad").
         quant_backend: quantizer backend of the recipe ("auto": Triton kernels on CUDA,
-            "reference": pure torch, "triton"); every backend gives the same bits.
+            "reference": pure torch, "triton"); every backend gives the same codes, scales
+            and values (NaN payload bits aside).
         batch_size: sequences per step. seq_len: tokens per sequence.
         steps: optimizer steps. lr: peak learning rate; warmup_steps linear warmup, then
             cosine decay to lr * min_lr_ratio at the last step.
