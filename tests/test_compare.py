@@ -386,3 +386,28 @@ def test_report_says_eager_after_a_failed_capture(tmp_path):
     text = build_report(tmp_path).read_text()
     assert "replayed from a CUDA graph for bf16; launched eagerly for mxfp8" in text
     assert "replayed from a CUDA graph after the first step" not in text
+
+
+def test_reuse_of_cpu_runs_ignores_gpu_only_settings(tmp_path):
+    """A CPU run made without (or with another) --no-cuda-graph is reused: the setting does
+    nothing on the CPU. On a GPU it is compared: graphed and eager steps differ in speed."""
+    cfg = TrainConfig(steps=40, batch_size=8, seq_len=64, lr=1e-3)
+    for device in ("cpu", "cuda:0"):
+        root = tmp_path / device.replace(":", "")
+        d = fake_run(root, "bf16", val=2.0, ms=100.0, mem=1.0, device=device)
+        config = json.loads((d / "config.json").read_text())
+        del config["train"]["cuda_graph"]  # a run from before the option: it stepped eagerly
+        (d / "config.json").write_text(json.dumps(config))
+        for graph in (True, False):
+            run_cfg = dataclasses.replace(cfg, cuda_graph=graph)
+            if device == "cpu" or not graph:
+                assert [p.action for p in plan_runs(run_cfg, ("bf16",), root, reuse=True)] == ["reuse"]
+            else:
+                with pytest.raises(ValueError, match="cuda_graph=False \\(asked True\\)"):
+                    plan_runs(run_cfg, ("bf16",), root, reuse=True)
+    fake_run(tmp_path / "mixed", "mxfp8", val=2.0, ms=100.0, mem=1.0)
+    d = fake_run(tmp_path / "mixed", "bf16", val=2.0, ms=100.0, mem=1.0)
+    config = json.loads((d / "config.json").read_text())
+    config["train"]["cuda_graph"] = False
+    (d / "config.json").write_text(json.dumps(config))
+    assert "differ in settings" not in build_report(tmp_path / "mixed").read_text()

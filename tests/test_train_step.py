@@ -263,8 +263,9 @@ def test_compare_passes_no_cuda_graph_to_its_workers_and_reuse_compares_it(tmp_p
     plan = plan_runs(cfg, ("bf16",), tmp_path / "new", reuse=False)[0]
     assert TrainConfig.from_dict(json.loads(json.dumps(plan.cfg.to_dict()))).cuda_graph is False
     cfg = TrainConfig(steps=40, batch_size=8, seq_len=64, lr=1e-3)
-    fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0)  # cuda_graph True
-    old = fake_run(tmp_path, "mxfp8", val=2.0, ms=100.0, mem=1.0)
+    gpu = {"device": "cuda:0", "device_name": "NVIDIA H200"}  # on the CPU the setting is not compared
+    fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0, **gpu)  # cuda_graph True
+    old = fake_run(tmp_path, "mxfp8", val=2.0, ms=100.0, mem=1.0, **gpu)
     config = json.loads((old / "config.json").read_text())
     del config["train"]["cuda_graph"]
     (old / "config.json").write_text(json.dumps(config))

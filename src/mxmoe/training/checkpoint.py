@@ -74,7 +74,8 @@ def load_checkpoint(out_dir: Path, map_location="cpu") -> dict[str, Any]:
     """
     path = Path(out_dir) / CHECKPOINT_NAME
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}; run without --resume to start a new run")
+        raise FileNotFoundError(f"no checkpoint at {path}; run without --resume to start a new run (with "
+                                f"--overwrite if the directory holds a run stopped before its first checkpoint)")
     return torch.load(path, map_location=map_location, weights_only=False)
 
 

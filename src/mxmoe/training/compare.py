@@ -111,10 +111,16 @@ def check_run(cfg: TrainConfig, corpus: Corpus) -> None:
     eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
 
 
-def _settings_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+# Settings that do nothing on the CPU (a CPU run's value of them is not compared).
+GPU_ONLY_SETTINGS = ("cuda_graph",)
+
+
+def _settings_diff(a: dict[str, Any], b: dict[str, Any], on_cpu: bool = False) -> list[str]:
+    """Settings of train configs a and b that differ and matter; ``on_cpu``: the runs ran on
+    the CPU, where :data:`GPU_ONLY_SETTINGS` change nothing."""
     a, b = {**SETTINGS_BEFORE_ADDED, **a}, {**SETTINGS_BEFORE_ADDED, **b}
-    keys = sorted(set(a) | set(b))
-    return [k for k in keys if k not in REUSE_MAY_DIFFER and a.get(k) != b.get(k)]
+    ignored = REUSE_MAY_DIFFER + (GPU_ONLY_SETTINGS if on_cpu else ())
+    return [k for k in sorted(set(a) | set(b)) if k not in ignored and a.get(k) != b.get(k)]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -159,7 +165,7 @@ def plan_runs(cfg: TrainConfig, recipes: tuple[str, ...], out_root: Path, reuse:
             plans.append(Plan(recipe, dataclasses.replace(rcfg, overwrite=True) if reuse else rcfg, "train"))
             continue
         saved = {**SETTINGS_BEFORE_ADDED, **config["train"]}
-        diff = _settings_diff(saved, rcfg.to_dict())
+        diff = _settings_diff(saved, rcfg.to_dict(), on_cpu=str(config.get("device", "")) == "cpu")
         if diff:
             raise ValueError(f"--reuse: the run in {str(run_dir)!r} has other settings than asked for: "
                              + ", ".join(f"{k}={saved.get(k)!r} (asked {rcfg.to_dict().get(k)!r})" for k in diff)
@@ -453,7 +459,8 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
     devices = sorted({f"{r.device_name or r.device} (torch {r.config.get('torch', '?')})" for r in runs})
     lines.append(f"Device: {'; '.join(devices)}." + (
         " **The runs ran on different devices: speed and memory are not comparable.**" if len(devices) > 1 else ""))
-    differing = sorted({k for r in runs for k in _settings_diff(r.config["train"], t)} - {"model"})
+    on_cpu = all(r.memory_kind == "rss" for r in runs)
+    differing = sorted({k for r in runs for k in _settings_diff(r.config["train"], t, on_cpu)} - {"model"})
     model_diff = any(r.config["train"]["model"] != m for r in runs)
     if differing or model_diff:
         lines.append("")

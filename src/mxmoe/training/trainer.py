@@ -345,6 +345,8 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
              f"(the run ends in warmup)", cfg.progress)
     _log(f"mxmoe train | recipe {cfg.recipe} | {params['total'] / 1e6:.2f}M params "
          f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | device {device}", cfg.progress)
+    if start_step:
+        _log(f"resuming from the checkpoint of step {start_step} in {out}", cfg.progress)
 
     metrics = MetricsWriter(out / METRICS_NAME)
     tokens_per_step = cfg.batch_size * cfg.seq_len
