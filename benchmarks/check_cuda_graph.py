@@ -34,7 +34,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mxmoe.cli import add_train_arguments, config_from_args
-from mxmoe.cli.presets import apply_preset, explicit_dests
+from mxmoe.cli.presets import parse_with_preset
 from mxmoe.model.transformer import MoETransformer
 from mxmoe.recipe import get_recipe
 from mxmoe.training.step import TrainStep, configure_optimizer
@@ -52,11 +52,7 @@ def parse(argv):
         p.add_argument("--no-resume", action="store_true", help="skip the resume check")
         return p
 
-    args = parser().parse_args(argv)
-    if args.preset is None:
-        args.preset = "h200"
-    apply_preset(args, explicit_dests(parser(), argv))
-    return args
+    return parse_with_preset(parser, argv, default="h200")[0]
 
 
 def batches(cfg, n, dev):

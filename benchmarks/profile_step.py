@@ -23,7 +23,7 @@ import torch
 from torch.autograd import DeviceType
 
 from mxmoe.cli import add_train_arguments, config_from_args
-from mxmoe.cli.presets import apply_preset, explicit_dests
+from mxmoe.cli.presets import parse_with_preset
 from mxmoe.model.transformer import MoETransformer
 from mxmoe.recipe import get_recipe
 from mxmoe.training.trainer import make_optimizer
@@ -40,12 +40,7 @@ def build_args(argv):
         p.add_argument("--json", default=None)
         return p
 
-    p = parser()
-    args = p.parse_args(argv)
-    if args.preset is None:
-        args.preset = "h200"
-    apply_preset(args, explicit_dests(parser(), argv))
-    return args
+    return parse_with_preset(parser, argv, default="h200")[0]
 
 
 def one_step(model, opt, x, y):

@@ -23,7 +23,7 @@ from ..numerics.mx_tensor import BACKENDS
 from ..recipe import RECIPES
 from ..distributed.launch import is_main_process
 from ..training import TrainConfig, load_corpus, train
-from .presets import add_preset_argument, apply_preset, explicit_dests
+from .presets import add_preset_argument, parse_with_preset
 
 
 def _csv_choices(choices):
@@ -179,11 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args, overridden = parse_with_preset(build_parser, sys.argv[1:] if argv is None else argv)
     if getattr(args, "preset", None):
-        argv = sys.argv[1:] if argv is None else argv
-        overridden = apply_preset(args, explicit_dests(build_parser(), argv))
         print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))
     try:
         return args.func(args)

@@ -20,7 +20,7 @@ Presets (keys are argparse destinations, i.e. flag names with ``-`` -> ``_``):
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {
@@ -83,3 +83,27 @@ def apply_preset(args: argparse.Namespace, explicit: set[str]) -> list[str]:
         else:
             setattr(args, key, value)
     return sorted(overridden)
+
+
+def parse_with_preset(build: Callable[[], argparse.ArgumentParser], argv: list[str],
+                      default: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Parse ``argv`` with a parser from ``build`` and fill in the values of its preset
+    (``--preset``, or ``default`` when none is given) that no explicit flag overrides.
+
+    Args:
+        build: makes a fresh parser (called twice: the second one finds the explicit flags).
+        argv: the command line without the program name.
+        default: preset used when the command line names none (None: no preset).
+
+    Returns:
+        ``(args, overridden)``: the namespace and the preset keys explicit flags overrode.
+
+    Raises:
+        SystemExit: argparse errors (unknown flag, bad value), as ``parse_args``.
+    """
+    args = build().parse_args(argv)
+    if default is not None and getattr(args, "preset", None) is None:
+        args.preset = default
+    if getattr(args, "preset", None) is None:
+        return args, []
+    return args, apply_preset(args, explicit_dests(build(), argv))
