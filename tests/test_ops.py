@@ -343,7 +343,7 @@ def test_fake_quantize_rowcol_is_the_two_separate_passes(T, C, dtype, backend):
 
 def test_fake_quantize_rowcol_op_schema():
     pytest.importorskip("triton")
-    import mxmoe.ops.quantize  # noqa: F401  (registers the op)
+    import mxmoe.kernels.quantize  # noqa: F401  (registers the op)
 
     x = torch.randn(64, 32, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.mxmoe.fake_quantize_rowcol.default, (x, "e4m3", "rceil", torch.bfloat16),

@@ -501,6 +501,25 @@ def _(x, dim, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
+@torch.library.custom_op("mxmoe::fake_quantize_rowcol", mutates_args=())
+def fake_quantize_rowcol(x: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                         out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
+    """``(fake_quantize(x, 1), fake_quantize(x, 0))`` of a 2-D x (T, C) from one read of
+    it (one kernel): (T, C) each, blocked along C and along T; tails zero padded."""
+    if out_dtype not in _DQ_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D (T, C) tensor, got shape {tuple(x.shape)}")
+    out = launch_tile(x.unsqueeze(0), fmt, mode, rowwise=True, colwise=True, col_transpose=False,
+                      write_q=False, dq_dtype=out_dtype, pad=True)
+    return out["dq_row"][0], out["dq_col"][0]
+
+
+@fake_quantize_rowcol.register_fake
+def _(x, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=out_dtype)
+
+
 @torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise", mutates_args=())
 def fake_quantize_grouped_colwise(x: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
                                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:

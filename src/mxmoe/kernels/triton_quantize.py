@@ -870,7 +870,7 @@ def _absmax8(x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 
 @triton.jit
 def _block_amax_bits(x, axis: tl.constexpr, ASM: tl.constexpr):
-    """The max of |x| along ``axis`` (float32 x, :func:`_absmax`, in PTX if ASM) as int32
+    """The max of |x| along ``axis`` (float32 x; ASM: :func:`_absmax_asm` in PTX) as int32
     bits: the bit-pattern max of :func:`_abs_bits` for finite x (subnormals included:
     max.f32 without .ftz keeps them, as numpy does), and a NaN with the sign clear (at
     least 0x7F800000, so non-finite) where an element is NaN; +inf where one is infinite.

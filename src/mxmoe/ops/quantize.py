@@ -69,21 +69,6 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
     return xq, padded_offsets
 
 
-@torch.library.custom_op("mxmoe::fake_quantize_rowcol", mutates_args=())
-def _fake_quantize_rowcol_triton(x_TC: Tensor, fmt: str, mode: str, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Triton: both dequantized copies of a 2-D tensor from one read of it (one kernel)."""
-    from ..kernels.quantize import launch_tile
-
-    out = launch_tile(x_TC.unsqueeze(0), fmt, mode, rowwise=True, colwise=True, col_transpose=False,
-                      write_q=False, dq_dtype=out_dtype, pad=True)
-    return out["dq_row"][0], out["dq_col"][0]
-
-
-@_fake_quantize_rowcol_triton.register_fake
-def _(x_TC, fmt, mode, out_dtype):
-    return x_TC.new_empty(x_TC.shape, dtype=out_dtype), x_TC.new_empty(x_TC.shape, dtype=out_dtype)
-
-
 def fake_quantize_rowcol(x_TC: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(fake_quantize(x, dim=1), fake_quantize(x, dim=0))`` of a 2-D tensor, bit for bit,
     with one read of x on the Triton backend (the training rule of docs/NUMERICS.md: each
@@ -106,7 +91,9 @@ def fake_quantize_rowcol(x_TC: Tensor, recipe: Recipe, out_dtype: torch.dtype) -
         raise ValueError(f"fake_quantize_rowcol takes a 2-D tensor, got shape {tuple(x_TC.shape)}")
     if out_dtype in TRITON_DTYPES and x_TC.numel() and use_triton(x_TC.device, x_TC.dtype, recipe.fmt,
                                                                  recipe.block_size, recipe.backend):
-        return _fake_quantize_rowcol_triton(x_TC, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
+        from ..kernels.quantize import fake_quantize_rowcol as kernel
+
+        return kernel(x_TC, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
     return fake_quantize(x_TC, recipe, dim=1, out_dtype=out_dtype), fake_quantize(x_TC, recipe, dim=0,
                                                                                   out_dtype=out_dtype)
 
