@@ -26,6 +26,7 @@ from mxmoe.cli import add_train_arguments, config_from_args
 from mxmoe.cli.presets import parse_with_preset
 from mxmoe.model.transformer import MoETransformer
 from mxmoe.recipe import get_recipe
+from mxmoe.training.step import TrainStep
 from mxmoe.training.trainer import make_optimizer
 
 
@@ -43,15 +44,6 @@ def build_args(argv):
     return parse_with_preset(parser, argv, default="h200")[0]
 
 
-def one_step(model, opt, x, y):
-    out = model(x, y)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return out
-
-
 def main(argv=None):
     args = build_args(sys.argv[1:] if argv is None else argv)
     dev = torch.device("cuda")
@@ -61,18 +53,19 @@ def main(argv=None):
         cfg = config_from_args(args, 256)
         torch.manual_seed(0)
         model = MoETransformer(cfg.model, get_recipe(name)).to(dev)
-        opt = make_optimizer(model, cfg)
+        # the trainer's step, eager: the launch cost is what this script measures
+        step = TrainStep(model, make_optimizer(model, cfg), cfg.grad_clip, dev, cuda_graph=False)
         x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=dev)
         y = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=dev)
         for _ in range(args.warmup):
-            one_step(model, opt, x, y)
+            step(x, y, cfg.lr)
         torch.cuda.synchronize()
         walls = []
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(args.timed):
             t = time.perf_counter()
-            out = one_step(model, opt, x, y)
+            out = step(x, y, cfg.lr)
             out.ce_loss.item()
             walls.append(time.perf_counter() - t)
         e1.record()
@@ -85,7 +78,7 @@ def main(argv=None):
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                one_step(model, opt, x, y)
+                step(x, y, cfg.lr)
             torch.cuda.synchronize()
         ka = prof.key_averages()
         # the kernels themselves (device-side events); the CPU-side ops that launched them
@@ -99,7 +92,7 @@ def main(argv=None):
         print(ka.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
         results[name] = {"wall_ms": wall_ms, "event_ms": gpu_ms, "kernel_ms": dev_self / 1e3,
                          "kernels_per_step": n_kernels}
-        del model, opt
+        del model, step
         torch.cuda.empty_cache()
     print(json.dumps(results, indent=1))
     if args.json:
