@@ -124,7 +124,7 @@ def _pick(kind: str, options: list[dict], run) -> dict:
 
 def sweep(only: set | None = None) -> dict:
     """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel. ``only``
-    {"t8"}: the t8 tile kernel alone (row + column, then column-only at the best setting)."""
+    {"t8"}: the t8 tile kernel alone (row + column, then column-only codes, each its own settings)."""
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
@@ -139,18 +139,17 @@ def sweep(only: set | None = None) -> dict:
     # (sweep of 35f56a9: fmax on beats off at every setting; unstaged and 256-row tiles lose;
     # at 506a2f9 two or more row tiles per program, software-pipelined, gained nothing:
     # 167.8-202 us against 168-170, so that kernel option was removed)
+    # (session 4, benchmarks/quantize_variants.py: prefetch of the tile 1-2 row tiles below
+    # helps, most at 128 x 128 uncapped (two programs per multiprocessor); 4+ hurts)
     best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m,
-                               "fmax": True} for t in ((128, 64), (64, 64)) for m in (None, 128, 120)]
-                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None,
-                           "fmax": True} for t in ((64, 128), (128, 128))],
+                               "fmax": True, "prefetch": p} for t, m in (((128, 64), 128), ((128, 128), None))
+                              for p in (0, 1, 2)],
                        lambda: kq.quantize_rowcol(x))
-    # column-only codes take the same kernel (ROWWISE off): its own timing of fmax
-    t8_best = dict(kq.TUNING["t8"])
-    for f in (True, False):
-        kq.TUNING["t8"] = {**t8_best, "fmax": f}
-        t, err = try_time(lambda: kq.quantize_colwise(x))
-        print(f"sweep t8 colwise fmax={f}: {t * 1e6 if t else float('nan'):.1f} us {err}", flush=True)
-    kq.TUNING["t8"] = t8_best
+    # column-only codes: the same kernel (ROWWISE off), its own settings
+    best["t8_colwise"] = _pick("t8_colwise", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True,
+                                               "maxnreg": 128, "fmax": True, "prefetch": p}
+                                              for t in ((128, 64), (256, 64)) for p in (0, 1, 2)],
+                               lambda: kq.quantize_colwise(x))
     if only is not None:
         print("tuning:", json.dumps(kq.TUNING))
         return best
@@ -186,7 +185,7 @@ def sweep(only: set | None = None) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="tune launch settings first")
-    ap.add_argument("--sweep-only", default=None, choices=["t8"], help="sweep only this kernel's settings")
+    ap.add_argument("--sweep-only", default=None, choices=["t8"], help="sweep only the t8 kernel's settings")
     ap.add_argument("--out", default=None, help="JSON result file")
     ap.add_argument("--torchao-triton", action="store_true",
                     help="also try torchao's Triton MXFP8 kernels (gated to sm100; fail in PTXAS on sm90)")

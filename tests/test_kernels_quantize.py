@@ -286,6 +286,7 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t, t4, t8):
     monkeypatch.setitem(kq.TUNING, "t4", {**kq.TUNING["t4"], "enabled": t4})
     t8_settings = {"enabled": bool(t8), "staged": t8 in ("staged", "intmax"), "fmax": t8 != "intmax"}
     monkeypatch.setitem(kq.TUNING, "t8", {**kq.TUNING["t8"], **t8_settings})
+    monkeypatch.setitem(kq.TUNING, "t8_colwise", {**kq.TUNING["t8_colwise"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "grouped_t8", {**kq.TUNING["grouped_t8"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4, "codes": t4})
     x = hard(96, 160, seed=sum(tile), dtype=torch.bfloat16)
@@ -294,6 +295,8 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t, t4, t8):
     rq, rs = ref_rowwise(x, "e4m3", "rceil")
     rqt, rst = ref_colwise_t(x, "e4m3", "rceil")
     assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs) and torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst)
+    qc, sc = kq.quantize_colwise(x, "e4m3", "rceil")
+    assert torch.equal(u8(qc), rqt) and torch.equal(u8(sc), rst)
     rq1, rs1 = ref_rowwise(x, "e5m2", "floor")
     assert torch.equal(u8(q1), rq1) and torch.equal(u8(s1), u8(to_blocked_scales(rs1.view(torch.float8_e8m0fnu))))
     offsets = torch.tensor([0, 33, 64, 90], dtype=torch.int32, device=DEV)

@@ -58,14 +58,19 @@ TUNING = {
     # transposed column-wise codes (and row-wise with them) through _mx_tile_t4_kernel
     "t4": {"tile": (64, 64), "num_warps": 4, "enabled": True},
     # the same through _mx_tile_t8_kernel (8 x 8 patches per thread): preferred over t4
-    # when enabled; one warp per 32-row group (num_warps = tile rows / 32); staged: the
-    # transposed words leave through a coalesced layout (one shared-memory pass, whole
-    # 128-byte lines); maxnreg: register cap (sweep of commit 8396fae: 170 us against 181
-    # uncapped at 16384 x 8192; 96 spills); fmax: block amax by max.NaN.f32 of |x| (the |.|
-    # modifier is free) instead of and + integer max over the bits (same scale bytes; Triton
-    # 3.6 SASS per thread, 128 x 64 staged: row + column 1128 -> 1088 instructions, registers
-    # 162 -> 127; column-only 720 -> 704, registers 70 -> 96: the sweep times both)
-    "t8": {"tile": (128, 64), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": 128, "fmax": True},
+    # when enabled; staged: the transposed words leave through a coalesced layout (one
+    # shared-memory pass, whole 128-byte lines); maxnreg: register cap; fmax: block amax by
+    # max.NaN.f32 of |x| (the |.| modifier is free) instead of and + integer max over the
+    # bits (same scale bytes); prefetch: prefetch.global.L2 of the tile that many row tiles
+    # below, a later wave's read started while this one computes (0: off). "t8": row +
+    # column codes; "t8_colwise": column-only codes (benchmarks/quantize_variants.py on the
+    # H200, session 4: row + column 170.5 us at 128 x 64 capped at 128 registers -> 161.2
+    # at 128 x 128 uncapped with prefetch 2 (16384 x 8192); column-only 107.8 -> 104.5 us at
+    # 256 x 64, 8 warps, prefetch 1; 128 x 128 column-only: 115 us)
+    "t8": {"tile": (128, 128), "num_warps": 4, "enabled": True, "staged": True, "maxnreg": None, "fmax": True,
+           "prefetch": 2},
+    "t8_colwise": {"tile": (256, 64), "num_warps": 8, "enabled": True, "staged": True, "maxnreg": 128, "fmax": True,
+                   "prefetch": 1},
     # grouped column-wise codes (with or without the fused token gather) through
     # _mx_grouped_col_t8_kernel, block_t tokens per program
     "grouped_t8": {"block_t": 256, "block_c": 64, "num_warps": 8, "enabled": True, "staged": True, "maxnreg": None,
@@ -189,7 +194,7 @@ def launch_tile(
         if dq_dtype is not None:
             shape = (B, C, R) if col_transpose else (B, R, C)
             dq_col = out["dq_col"] = torch.empty(shape, dtype=dq_dtype, device=dev)
-    t4, t8 = _launch_settings("t4"), _launch_settings("t8")
+    t4, t8 = _launch_settings("t4"), _launch_settings("t8" if rowwise else "t8_colwise")
     transposed_codes = colwise and col_transpose and write_q and dq_dtype is None
     use_t8 = transposed_codes and t8["enabled"] and all(_is_pow2(n) and n >= BLOCK for n in t8["tile"])
     use_t4 = transposed_codes and t4["enabled"] and t4["tile"][0] % BLOCK == 0
@@ -206,7 +211,8 @@ def launch_tile(
     elif B and R and C and (use_t8 or use_t4):  # t8 first; both take the same arguments
         cfg = t8 if use_t8 else t4
         kernel = tk._mx_tile_t8_kernel if use_t8 else tk._mx_tile_t4_kernel
-        extra = {"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), **_register_cap(cfg)} if use_t8 else {}
+        extra = ({"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), "PREFETCH": cfg.get("prefetch", 0),
+                  **_register_cap(cfg)} if use_t8 else {})
         block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
         kernel[grid](
@@ -353,6 +359,24 @@ def _(x, fmt="e4m3", mode="rceil", blocked=False):
     return tuple(_squeeze_to(t, was_2d) for t in (q_row, s_row, q_col, s_col))
 
 
+_GROUP_LAYOUT_MAX_E = 4096  # one program holds all experts
+
+
+def group_layout(offsets: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+    """``numerics.grouped.padded_group_layout`` (same values) for int32 ``offsets`` (E,) on a
+    CUDA device (or under the interpreter), in one Triton launch instead of the ~10 small
+    torch kernels of the reference, which cost more than the quantization at moderate
+    sizes under CUDA-graph replay; other devices and E > 4096 use the reference."""
+    E = offsets.numel()
+    if not (offsets.is_cuda or interpreting()) or E == 0 or E > _GROUP_LAYOUT_MAX_E:
+        return padded_group_layout(offsets, T)
+    block_starts = torch.empty(E + 1, dtype=torch.int32, device=offsets.device)
+    padded_offsets = torch.empty(E, dtype=torch.int32, device=offsets.device)
+    tk._group_layout_kernel[(1,)](offsets, E, block_starts, padded_offsets, E_POW2=triton.next_power_of_2(E + 1),
+                                  num_warps=4)
+    return block_starts, padded_offsets, BLOCK * (T // BLOCK + E)
+
+
 def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bool,
                     dq_dtype: torch.dtype | None, blocked: bool, src: Tensor | None = None) -> dict[str, Tensor]:
     """src: optional (A,) int64 row of x for each sorted row (the token permute fused into
@@ -369,7 +393,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     if src is not None:
         T = src.numel()
     E = offsets.numel()
-    block_starts, padded_offsets, Tp = padded_group_layout(offsets, T)
+    block_starts, padded_offsets, Tp = group_layout(offsets, T)
     dev = x.device
     u8 = torch.uint8
     dummy = torch.empty(1, dtype=u8, device=dev)

@@ -529,19 +529,43 @@ def _mx_tile_kernel(
 
 
 @triton.jit
+def _group_layout_kernel(ends_ptr, E, block_starts_ptr, padded_offsets_ptr, E_POW2: tl.constexpr):
+    """The per-expert padded layout of ``numerics.grouped.padded_group_layout`` in one
+    program: ends_ptr (E,) int32 cumulative token ends -> block_starts_ptr (E + 1,) int32
+    cumulative 32-token block counts from 0, padded_offsets_ptr (E,) int32 cumulative
+    padded token ends (32 x the block counts). Sizes and sums in int64, blocks rounded up
+    by floor division (an arithmetic shift), as the torch function does."""
+    ge = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + ge, mask=ge < E, other=0).to(tl.int64)
+    prev = tl.load(ends_ptr + ge - 1, mask=(ge > 0) & (ge < E), other=0).to(tl.int64)
+    blocks = tl.where(ge < E, (ends - prev + 31) >> 5, 0)
+    total = tl.cumsum(blocks, 0)
+    tl.store(block_starts_ptr + ge, tl.zeros_like(ge), mask=ge == 0)
+    tl.store(block_starts_ptr + 1 + ge, total.to(tl.int32), mask=ge < E)
+    tl.store(padded_offsets_ptr + ge, (total * 32).to(tl.int32), mask=ge < E)
+
+
+@triton.jit
 def _block_tokens_v(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
     """32-token blocks ``blk`` (N,) of the per-expert padded layout -> (their first tokens,
     the ends of their experts' tokens), both (N,). ends_ptr: (E,) cumulative token ends;
-    block_starts_ptr: (E + 1,) cumulative padded block starts."""
-    # expert of a block: the number of experts whose padded blocks end at or before it
+    block_starts_ptr: (E + 1,) cumulative padded block starts (both non-decreasing).
+
+    One round trip to memory: both arrays are read whole, and a block's values are picked
+    out by masked reductions instead of loads at its expert's index (which would wait for
+    the first load and delay the data loads behind a second trip)."""
     ge = tl.arange(0, E_POW2)
-    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)
-    g = tl.sum((block_ends[None, :] <= blk[:, None]).to(tl.int32), axis=1)
-    g_safe = tl.minimum(g, E - 1)
-    block_start = tl.load(block_starts_ptr + g_safe)
-    # past the last expert: read nothing; never past row T, whatever the offsets say
-    tok_end = tl.minimum(tl.where(g < E, tl.load(ends_ptr + g_safe), 0), T)
-    tok_start = tl.where(g_safe > 0, tl.load(ends_ptr + tl.maximum(g_safe - 1, 0)), 0)
+    block_ends = tl.load(block_starts_ptr + 1 + ge, mask=ge < E, other=2147483647)[None, :]
+    ends = tl.load(ends_ptr + ge, mask=ge < E, other=0)[None, :]
+    before = block_ends <= blk[:, None]  # experts whose padded blocks end at or before the block
+    # its expert g = the number of those; its first block block_ends[g - 1] (0 if g = 0) and
+    # first token ends[g - 1]: the largest of those experts' values (non-decreasing)
+    block_start = tl.max(tl.where(before, block_ends, 0), axis=1)
+    tok_start = tl.max(tl.where(before, ends, 0), axis=1)
+    # its tokens end at ends[g], the smallest among the others (none past the last expert:
+    # read nothing), and never past row T, whatever the offsets say
+    tok_end = tl.min(tl.where(before | (ge >= E)[None, :], 2147483647, ends), axis=1)
+    tok_end = tl.minimum(tl.where(tok_end == 2147483647, 0, tok_end), T)
     return tok_start + (blk - block_start) * 32, tok_end
 
 
@@ -1009,23 +1033,49 @@ def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols,
 
 
 @triton.jit
-def _mx_tile_t8_kernel(
-    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
-    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
-    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
-    Rp, Cp, R128, C128,
+def _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, Rp, pid_c, pid_r, b, DIST_R: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """GPU only: prefetch into L2 (``prefetch.global.L2``, a hint: no registers, no wait)
+    the input tile DIST_R row tiles below this one (the next matrix's first row tiles past
+    the last; DIST_R below the row-tile count), which the grid (column tiles, row tiles, B),
+    launched column tile fastest, reaches DIST_R x (column tiles) programs later: one row
+    per lane (each 128-byte line of its BLOCK_C elements). The t8 programs keep few loads in flight
+    (four per multiprocessor at 128 registers per thread); this starts a later wave's reads
+    while this one computes. Nothing past the last matrix is touched."""
+    n_r = tl.cdiv(Rp, BLOCK_R)
+    tr = pid_r + DIST_R
+    tb = tl.where(tr >= n_r, b + 1, b)
+    tr = tl.where(tr >= n_r, tr - n_r, tr)
+    rows = tr * BLOCK_R + tl.arange(0, BLOCK_R)
+    ptr = x_ptr + tb * stride_xb + rows.to(tl.int64) * stride_xr + (pid_c * BLOCK_C).to(tl.int64) * stride_xc
+    ok = (rows < R) & (tb < tl.num_programs(2))
+    PER_LINE: tl.constexpr = 1024 // x_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    for j in tl.static_range(max(BLOCK_C // PER_LINE, 1)):
+        _prefetch_l2(ptr + j * PER_LINE * stride_xc, ok)
+
+
+@triton.jit
+def _prefetch_l2(ptr, mask):
+    """GPU only: ``prefetch.global.L2`` of the line holding each pointer where mask."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _t8_tile(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C, qr_ptr, sr_ptr, qc_ptr, sc_ptr, Rp, Cp, R128, C128,
+    pid_c, pid_r, b,
     ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
     HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, FMAX: tl.constexpr,
+    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
-    from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
-    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
-    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns."""
+    """One (BLOCK_R, BLOCK_C) tile of :func:`_mx_tile_t8_kernel`: column tile pid_c, row
+    tile pid_r of matrix b (int64); PREFETCH > 0: first prefetch into L2 the input tile
+    that many row tiles below (:func:`_prefetch_tile`)."""
     G: tl.constexpr = BLOCK_R // 32
-    pid_c = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    if PREFETCH > 0:
+        _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, Rp, pid_c, pid_r, b, PREFETCH, BLOCK_R, BLOCK_C)
     i = tl.arange(0, 4 * G)
     c0 = pid_c * BLOCK_C
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
@@ -1069,6 +1119,28 @@ def _mx_tile_t8_kernel(
                     N, BLOCK_C)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
+
+
+
+
+@triton.jit
+def _mx_tile_t8_kernel(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
+    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
+    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
+    Rp, Cp, R128, C128,
+    ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
+    HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0,
+):
+    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
+    from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
+    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
+    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns. One
+    tile per program: grid (column tiles, row tiles, B)."""
+    _t8_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, qr_ptr, sr_ptr, qc_ptr, sc_ptr, Rp, Cp, R128, C128,
+             tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64), ELEM, MODE, ROWWISE, BLOCKED,
+             HW_ROUND, SOFT_CASTS, BLOCK_R, BLOCK_C, STAGED, FMAX, PREFETCH)
 
 
 @triton.jit
