@@ -397,3 +397,63 @@ def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):
     rq, rs = ref_rowwise(x, "e4m3", "rceil")
     rqt, rst = ref_colwise_t(x, "e4m3", "rceil")
     assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs) and torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst)
+
+
+@pytest.mark.parametrize("E", [1, 2, 31, 64, 257, 1000])
+def test_group_layout_kernel_equals_the_torch_layout(E):
+    """kq.group_layout (one Triton launch) gives the block starts, padded offsets and
+    padded length of numerics.grouped.padded_group_layout: empty experts, one huge expert,
+    and offsets outside the contract (decreasing) alike."""
+    from mxmoe.numerics.grouped import padded_group_layout
+
+    g = torch.Generator().manual_seed(E)
+    cases = [torch.randint(0, 100, (E,), generator=g), torch.zeros(E, dtype=torch.int64),
+             torch.randint(-50, 100, (E,), generator=g), torch.randint(0, 3, (E,), generator=g) * 5000]
+    for sizes in cases:
+        offsets = sizes.cumsum(0).to(torch.int32).to(DEV)
+        T = max(int(offsets.max()), 1)
+        got, want = kq.group_layout(offsets, T), padded_group_layout(offsets, T)
+        assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+        assert got[2] == want[2]
+
+
+_COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxmoe.kernels import quantize as kq, triton_quantize as tk
+kind = sys.argv[1]
+cfg = kq.TUNING[kind]
+fn = tk._mx_tile_t8_kernel
+consts = {"ELEM": tk.ELEM_E4M3, "MODE": tk.MODE_RCEIL, "ROWWISE": kind == "t8", "BLOCKED": False,
+          "HW_ROUND": kq.TUNING["hw_round"], "SOFT_CASTS": False, "BLOCK_R": cfg["tile"][0], "BLOCK_C": cfg["tile"][1],
+          "STAGED": cfg["staged"], "FMAX": cfg["fmax"], "PREFETCH": cfg["prefetch"]}
+ptrs = {"x_ptr": "*bf16", "qr_ptr": "*u8", "sr_ptr": "*u8", "qc_ptr": "*u8", "sc_ptr": "*u8", "stride_xb": "i64"}
+sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+opts = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})}
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+print(json.dumps({"ptx": k.asm["ptx"], "cubin_bytes": len(k.asm["cubin"]), "prefetch": cfg["prefetch"]}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["t8", "t8_colwise"])
+def test_gpu_only_kernel_paths_compile_for_sm90(kind):
+    """The interpreter never runs the inline PTX (code packing, NaN rule, st.global.b8 scale
+    stores, prefetch.global.L2): the t8 kernel with the H200's launch settings for ``kind``
+    must compile for sm90 through Triton's bundled ptxas (no GPU needed; in a subprocess,
+    outside the interpreter), with the prefetch and the packed conversion in its PTX."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src_dir = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src_dir + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, kind], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["prefetch"] > 0 and "prefetch.global.L2" in out["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in out["ptx"] and "st.global.b8" in out["ptx"] and out["cubin_bytes"] > 0
