@@ -10,6 +10,8 @@ fused quantize-dequantize and the Blackwell scale layout.
 
     PYTHONPATH=src python3 benchmarks/check_kernels_cuda.py
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/check_kernels_cuda.py --smoke  # CPU, small shapes
+    PYTHONPATH=src python3 benchmarks/check_kernels_cuda.py --tuning quantize.json  # the launch
+        settings a benchmarks/quantize.py --sweep run chose (its JSON result file)
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from mxmoe.numerics import fake_quantize_mx  # noqa: E402
 from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
+if "--tuning" in sys.argv:  # launch settings from a quantize.py result file instead of the defaults
+    _tuning = json.loads(Path(sys.argv[sys.argv.index("--tuning") + 1]).read_text())["info"]["tuning"]
+    for _k, _v in _tuning.items():
+        kq.TUNING[_k] = {**_v, "tile": tuple(_v["tile"])} if isinstance(_v, dict) and "tile" in _v else _v
+    print("launch settings:", json.dumps(kq.TUNING), flush=True)
 SHAPES = ((1, 64), (33, 96), (64, 128)) if SMOKE else ((1, 2880), (33, 96), (1000, 2880), (16384, 8192))
 W_SHAPE = (2, 64, 96) if SMOKE else (8, 256, 2880)
 GROUP_SIZES = [0, 1, 31, 33, 0, 5] if SMOKE else [0, 1, 31, 33, 0, 500, 4000, 64, 7] * 3

@@ -143,7 +143,9 @@ def sweep(only: set | None = None) -> dict:
     # helps, most at 128 x 128 uncapped (two programs per multiprocessor); 4+ hurts)
     best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m,
                                "fmax": True, "prefetch": p} for t, m in (((128, 64), 128), ((128, 128), None))
-                              for p in (0, 1, 2)],
+                              for p in (0, 1, 2)]
+                       + [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": None,
+                           "fmax": True, "prefetch": p} for t in ((256, 128), (64, 128)) for p in (1, 2)],
                        lambda: kq.quantize_rowcol(x))
     # column-only codes: the same kernel (ROWWISE off), its own settings
     best["t8_colwise"] = _pick("t8_colwise", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True,
