@@ -32,10 +32,13 @@ import types
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
 from mxmoe.kernels import quantize as kq
 from mxmoe.kernels import triton_quantize as tk
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quantize import copy_bandwidth  # noqa: E402  (benchmarks/quantize.py: a device copy in this process)
 
 ROW_CODES = "    tl.store(q_p0 + k * Cp, codes, mask=row_ok & (cols < Cp))\n"
 ROW_SCALES = "    _store_u8(s_p, sb, row_ok & (scols < Cp // 32), HW_ROUND == 2)\n"
@@ -84,12 +87,9 @@ def time_grouped(configs: list[dict], info: dict) -> int:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         T, K = shape
         offsets = torch.tensor(uneven_sizes(T, N_EXPERTS, 0), device="cuda").cumsum(0).to(torch.int32)
-        src = torch.empty(x.numel() * 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        copy_bw = 2 * src.numel() / (do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median") / 1e3)
+        copy_bw = copy_bandwidth(2 * x.numel())
         rq, rs, _ = torch_quantize_grouped_dim0(x, offsets)
         ref = [rq.view(torch.uint8), rs.view(torch.uint8)]
-        del src, dst
         for cfg in [{}] + configs:
             kq.TUNING["grouped_t8"] = {**base, **cfg}
             try:
@@ -108,7 +108,6 @@ def time_grouped(configs: list[dict], info: dict) -> int:
                 print(f"{shape} {json.dumps(cfg)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 kq.TUNING["grouped_t8"] = base
-        del x
     return bad
 
 
@@ -121,10 +120,7 @@ def time_settings(configs: list[dict], info: dict) -> int:
     for shape in ((16384, 8192), (131072, 7168), (64, 2048, 7168)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         n = x.numel()
-        src = torch.empty(n * 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_copy = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median") / 1e3
-        copy_bw = 2 * src.numel() / t_copy
+        copy_bw = copy_bandwidth(2 * n)
         refs = {"rowcol": [t.view(torch.uint8) for t in kq.quantize_rowcol(x)],
                 "colwise": [t.view(torch.uint8) for t in kq.quantize_colwise(x)]}
         for cfg in [{}] + configs:
@@ -143,7 +139,6 @@ def time_settings(configs: list[dict], info: dict) -> int:
                 print(f"{shape} {json.dumps(cfg)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 kq.TUNING["t8"], kq.TUNING["t8_colwise"] = base, base_col
-        del x
     return bad
 
 
@@ -199,10 +194,7 @@ def main() -> int:
     for shape in ((16384, 8192), (131072, 7168)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         n = x.numel()
-        src = torch.empty(n * 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_copy = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median") / 1e3
-        copy_bw = 2 * src.numel() / t_copy
+        copy_bw = copy_bandwidth(2 * n)
         nbytes = 2 * n + 2 * n + 2 * n // 32
         ref = [t.view(torch.uint8) for t in kq.quantize_rowcol(x)]
         for name, mod in variants.items():
@@ -226,7 +218,6 @@ def main() -> int:
             t = bench(fn)
             print(f"{shape} {name:36s} {t * 1e6:8.1f} us", flush=True)
             info["rows"].append({"shape": list(shape), "variant": name, "us": t * 1e6})
-        del x
     bad = [r for r in info["rows"] if r["variant"] in keeps_all and not r.get("bytes_equal_library", True)]
     if args.out:
         with open(args.out, "w") as f:

@@ -1121,8 +1121,6 @@ def _t8_tile(
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
 
 
-
-
 @triton.jit
 def _mx_tile_t8_kernel(
     x_ptr, stride_xb, stride_xr, stride_xc, R, C,
