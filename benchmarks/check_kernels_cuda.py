@@ -33,8 +33,13 @@ from mxmoe.numerics import fake_quantize_mx  # noqa: E402
 from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
-if "--tuning" in sys.argv:  # launch settings from a quantize.py result file instead of the defaults
-    _tuning = json.loads(Path(sys.argv[sys.argv.index("--tuning") + 1]).read_text())["info"]["tuning"]
+_TUNING_ARGS = [a for a in sys.argv[1:] if a.startswith("--tuning")]
+if _TUNING_ARGS:  # launch settings from a quantize.py result file instead of the defaults
+    _i = sys.argv.index(_TUNING_ARGS[0])
+    _file = _TUNING_ARGS[0].partition("=")[2] or (sys.argv[_i + 1] if _i + 1 < len(sys.argv) else "")
+    if not _file:
+        sys.exit("--tuning needs a file: the JSON result of benchmarks/quantize.py --out (--tuning FILE or --tuning=FILE)")
+    _tuning = json.loads(Path(_file).read_text())["info"]["tuning"]
     for _k, _v in _tuning.items():
         kq.TUNING[_k] = {**_v, "tile": tuple(_v["tile"])} if isinstance(_v, dict) and "tile" in _v else _v
     print("launch settings:", json.dumps(kq.TUNING), flush=True)
@@ -96,6 +101,8 @@ def main() -> int:
                         q2, s2, qt, st = kq.quantize_rowcol(x, fmt, mode)
                         check(f"rowcol {tag} ({M}, {K})", same(q2, ref.qdata) and same(s2, ref.scale)
                               and same(qt, refc.qdata.t()) and same(st, refc.scale.t()))
+                        qc, sc = kq.quantize_colwise(x, fmt, mode)  # column-only codes: their own settings
+                        check(f"colwise {tag} ({M}, {K})", same(qc, refc.qdata.t()) and same(sc, refc.scale.t()))
                         _, sb, _, stb = kq.quantize_rowcol(x, fmt, mode, blocked=True)
                         check(f"blocked scales {tag} ({M}, {K})", same(sb, to_blocked_scales(ref.scale))
                               and same(stb, to_blocked_scales(refc.scale.t().contiguous())))

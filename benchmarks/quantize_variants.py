@@ -104,7 +104,8 @@ def time_grouped(configs: list[dict], info: dict) -> int:
                       f"of copy{'' if same else '  MISMATCH'}", flush=True)
                 info["rows"].append({"shape": list(shape), "kernel": "grouped colwise", "settings": cfg, "us": t * 1e6,
                                      "pct_copy": nbytes / t / copy_bw, "bytes_equal_reference": same})
-            except Exception as e:  # noqa: BLE001 - report and go on
+            except Exception as e:  # noqa: BLE001 - report, count as a failure, go on
+                bad += 1
                 print(f"{shape} {json.dumps(cfg)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 kq.TUNING["grouped_t8"] = base
@@ -135,7 +136,8 @@ def time_settings(configs: list[dict], info: dict) -> int:
                           f"of copy{'' if same else '  MISMATCH'}", flush=True)
                     info["rows"].append({"shape": list(shape), "kernel": kind, "settings": cfg, "us": t * 1e6,
                                          "pct_copy": nbytes / t / copy_bw, "bytes_equal_library": same})
-            except Exception as e:  # noqa: BLE001 - report and go on
+            except Exception as e:  # noqa: BLE001 - report, count as a failure, go on
+                bad += 1
                 print(f"{shape} {json.dumps(cfg)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             finally:
                 kq.TUNING["t8"], kq.TUNING["t8_colwise"] = base, base_col
@@ -161,7 +163,7 @@ def main() -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(info, f, indent=1)
-        print("FAIL: bytes differ" if bad else "all settings bit-equal")
+        print("FAIL: bytes differ or a setting failed" if bad else "all settings bit-equal")
         return 1 if bad else 0
     variants = {
         "library": None,

@@ -363,13 +363,14 @@ _GROUP_LAYOUT_MAX_E = 4096  # one program holds all experts
 
 
 def group_layout(offsets: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
-    """``numerics.grouped.padded_group_layout`` (same values) for int32 ``offsets`` (E,) on a
-    CUDA device (or under the interpreter), in one Triton launch instead of the ~10 small
+    """``numerics.grouped.padded_group_layout`` (same values) for ``offsets`` (E,) int32 or
+    int64, any strides, on a CUDA device (or under the interpreter), in one Triton launch instead of the ~10 small
     torch kernels of the reference, which cost more than the quantization at moderate
     sizes under CUDA-graph replay; other devices and E > 4096 use the reference."""
     E = offsets.numel()
     if not (offsets.is_cuda or interpreting()) or E == 0 or E > _GROUP_LAYOUT_MAX_E:
         return padded_group_layout(offsets, T)
+    offsets = offsets.to(torch.int32).contiguous()  # the kernel reads E dense int32 values
     block_starts = torch.empty(E + 1, dtype=torch.int32, device=offsets.device)
     padded_offsets = torch.empty(E, dtype=torch.int32, device=offsets.device)
     tk._group_layout_kernel[(1,)](offsets, E, block_starts, padded_offsets, E_POW2=triton.next_power_of_2(E + 1),

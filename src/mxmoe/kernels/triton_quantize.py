@@ -564,8 +564,9 @@ def _block_tokens_v(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr)
     tok_start = tl.max(tl.where(before, ends, 0), axis=1)
     # its tokens end at ends[g], the smallest among the others (none past the last expert:
     # read nothing), and never past row T, whatever the offsets say
-    tok_end = tl.min(tl.where(before | (ge >= E)[None, :], 2147483647, ends), axis=1)
-    tok_end = tl.minimum(tl.where(tok_end == 2147483647, 0, tok_end), T)
+    after = ~before & (ge < E)[None, :]
+    tok_end = tl.min(tl.where(after, ends, 2147483647), axis=1)
+    tok_end = tl.minimum(tl.where(tl.max(after.to(tl.int32), axis=1) > 0, tok_end, 0), T)
     return tok_start + (blk - block_start) * 32, tok_end
 
 
@@ -1033,15 +1034,16 @@ def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols,
 
 
 @triton.jit
-def _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, Rp, pid_c, pid_r, b, DIST_R: tl.constexpr,
+def _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, Rp, pid_c, pid_r, b, DIST_R: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """GPU only: prefetch into L2 (``prefetch.global.L2``, a hint: no registers, no wait)
     the input tile DIST_R row tiles below this one (the next matrix's first row tiles past
     the last; DIST_R below the row-tile count), which the grid (column tiles, row tiles, B),
     launched column tile fastest, reaches DIST_R x (column tiles) programs later: one row
-    per lane (each 128-byte line of its BLOCK_C elements). The t8 programs keep few loads in flight
-    (four per multiprocessor at 128 registers per thread); this starts a later wave's reads
-    while this one computes. Nothing past the last matrix is touched."""
+    per lane, each 128-byte line of its BLOCK_C elements that starts inside the row. The t8
+    programs keep few loads in flight (two to four programs per multiprocessor, limited by
+    registers); this starts a later wave's reads while this one computes. Only addresses of
+    elements that exist are touched."""
     n_r = tl.cdiv(Rp, BLOCK_R)
     tr = pid_r + DIST_R
     tb = tl.where(tr >= n_r, b + 1, b)
@@ -1050,8 +1052,9 @@ def _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, Rp, pid_c, pid_r, 
     ptr = x_ptr + tb * stride_xb + rows.to(tl.int64) * stride_xr + (pid_c * BLOCK_C).to(tl.int64) * stride_xc
     ok = (rows < R) & (tb < tl.num_programs(2))
     PER_LINE: tl.constexpr = 1024 // x_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    for j in tl.static_range(max(BLOCK_C // PER_LINE, 1)):
-        _prefetch_l2(ptr + j * PER_LINE * stride_xc, ok)
+    N_LINES: tl.constexpr = (BLOCK_C + PER_LINE - 1) // PER_LINE
+    for j in tl.static_range(N_LINES):  # each line only where its first column exists
+        _prefetch_l2(ptr + j * PER_LINE * stride_xc, ok & (pid_c * BLOCK_C + j * PER_LINE < C))
 
 
 @triton.jit
@@ -1075,7 +1078,7 @@ def _t8_tile(
     that many row tiles below (:func:`_prefetch_tile`)."""
     G: tl.constexpr = BLOCK_R // 32
     if PREFETCH > 0:
-        _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, Rp, pid_c, pid_r, b, PREFETCH, BLOCK_R, BLOCK_C)
+        _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, Rp, pid_c, pid_r, b, PREFETCH, BLOCK_R, BLOCK_C)
     i = tl.arange(0, 4 * G)
     c0 = pid_c * BLOCK_C
     cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
