@@ -364,9 +364,16 @@ _GROUP_LAYOUT_MAX_E = 4096  # one program holds all experts
 
 def group_layout(offsets: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
     """``numerics.grouped.padded_group_layout`` (same values) for ``offsets`` (E,) int32 or
-    int64, any strides, on a CUDA device (or under the interpreter), in one Triton launch instead of the ~10 small
-    torch kernels of the reference, which cost more than the quantization at moderate
-    sizes under CUDA-graph replay; other devices and E > 4096 use the reference."""
+    int64, any strides, on a CUDA device (or under the interpreter), in one Triton launch
+    instead of the ~10 small torch kernels of the reference, which cost more than the
+    quantization at moderate sizes under CUDA-graph replay; other devices and E > 4096 use
+    the reference.
+
+    Returns:
+        ``(block_starts, padded_offsets, Tp)``: int32 (E + 1,) cumulative 32-token block
+        counts from 0, int32 (E,) cumulative padded token ends, and the padded length
+        32 * (T // 32 + E), on offsets' device.
+    """
     E = offsets.numel()
     if not (offsets.is_cuda or interpreting()) or E == 0 or E > _GROUP_LAYOUT_MAX_E:
         return padded_group_layout(offsets, T)

@@ -1066,17 +1066,25 @@ def _prefetch_l2(ptr, mask):
 
 
 @triton.jit
-def _t8_tile(
-    x_ptr, stride_xb, stride_xr, stride_xc, R, C, qr_ptr, sr_ptr, qc_ptr, sc_ptr, Rp, Cp, R128, C128,
-    pid_c, pid_r, b,
+def _mx_tile_t8_kernel(
+    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
+    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
+    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
+    Rp, Cp, R128, C128,
     ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
     HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr,
+    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
-    """One (BLOCK_R, BLOCK_C) tile of :func:`_mx_tile_t8_kernel`: column tile pid_c, row
-    tile pid_r of matrix b (int64); PREFETCH > 0: first prefetch into L2 the input tile
-    that many row tiles below (:func:`_prefetch_tile`)."""
+    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
+    from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
+    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
+    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns.
+    PREFETCH > 0: first prefetch into L2 the input tile that many row tiles below
+    (:func:`_prefetch_tile`). One tile per program: grid (column tiles, row tiles, B)."""
     G: tl.constexpr = BLOCK_R // 32
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     if PREFETCH > 0:
         _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, Rp, pid_c, pid_r, b, PREFETCH, BLOCK_R, BLOCK_C)
     i = tl.arange(0, 4 * G)
@@ -1104,44 +1112,12 @@ def _t8_tile(
         else:
             s_p0 = sr_ptr + b * R * (Cp // 32) + r64 * (Cp // 32) + (c0 // 32 + tl.arange(0, BLOCK_C // 32))[None, :]
         cr = cols[None, :]
-        _row_codes8(x0, 0, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x1, 1, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x2, 2, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x3, 3, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x4, 4, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x5, 5, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x6, 6, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
-        _row_codes8(x7, 7, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX,
-                    N, BLOCK_C)
+        xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+        for k in tl.static_range(8):
+            _row_codes8(xs[k], k, r0, R, q_p0, s_p0, c0, cr, b, Cp, R128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS,
+                        FMAX, N, BLOCK_C)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, qc_ptr, sc_ptr, b, Rp, pid_r * G, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
-
-
-@triton.jit
-def _mx_tile_t8_kernel(
-    x_ptr, stride_xb, stride_xr, stride_xc, R, C,
-    qr_ptr, sr_ptr,  # row-wise codes (B, R, Cp), scales (B, R, Cp / 32) (or blocked)
-    qc_ptr, sc_ptr,  # column-wise codes transposed (B, C, Rp), scales (B, C, Rp / 32) (or blocked)
-    Rp, Cp, R128, C128,
-    ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
-    HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0,
-):
-    """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
-    from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
-    (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
-    max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns. One
-    tile per program: grid (column tiles, row tiles, B)."""
-    _t8_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, qr_ptr, sr_ptr, qc_ptr, sc_ptr, Rp, Cp, R128, C128,
-             tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64), ELEM, MODE, ROWWISE, BLOCKED,
-             HW_ROUND, SOFT_CASTS, BLOCK_R, BLOCK_C, STAGED, FMAX, PREFETCH)
 
 
 @triton.jit
