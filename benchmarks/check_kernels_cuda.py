@@ -103,6 +103,9 @@ def main() -> int:
                               and same(qt, refc.qdata.t()) and same(st, refc.scale.t()))
                         qc, sc = kq.quantize_colwise(x, fmt, mode)  # column-only codes: their own settings
                         check(f"colwise {tag} ({M}, {K})", same(qc, refc.qdata.t()) and same(sc, refc.scale.t()))
+                        check(f"dequantize colwise {tag} ({M}, {K})",
+                              same_values(kq.dequantize_colwise(qc, sc, torch.bfloat16),
+                                          refc.dequantize(torch.bfloat16, backend="reference")))
                         _, sb, _, stb = kq.quantize_rowcol(x, fmt, mode, blocked=True)
                         check(f"blocked scales {tag} ({M}, {K})", same(sb, to_blocked_scales(ref.scale))
                               and same(stb, to_blocked_scales(refc.scale.t().contiguous())))
@@ -131,7 +134,7 @@ def main() -> int:
                 check(f"grouped colwise {tag} ({T}, {C}), {len(sizes)} experts",
                       same(q, rq) and same(s, rs) and torch.equal(pofs, rpofs))
                 dq, _ = kq.fake_quantize_grouped_colwise(x, offsets, fmt, mode, torch.bfloat16)
-                check(f"grouped fake_quantize {tag}", same_values(dq, kq.dequantize_rowwise(q, s, torch.bfloat16)))
+                check(f"grouped fake_quantize {tag}", same_values(dq.t(), kq.dequantize_rowwise(q, s, torch.bfloat16)))
     print(f"{len(failures)} failures")
     return 1 if failures else 0
 

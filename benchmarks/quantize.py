@@ -122,12 +122,32 @@ def _pick(kind: str, options: list[dict], run) -> dict:
     return best
 
 
+SWEEP_ONLY = ["t8", "grouped_tok", "dequant_t"]
+
+
 def sweep(only: set | None = None) -> dict:
-    """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel. ``only``
-    {"t8"}: the t8 tile kernel alone (row + column, then column-only codes, each its own settings)."""
+    """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel. ``only``: a
+    set of SWEEP_ONLY names to sweep alone ("t8": the t8 tile kernel, row + column then
+    column-only codes, each its own settings; "grouped_tok": the dequantized grouped wgrad
+    operand; "dequant_t": dequantize_colwise)."""
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
+    if only is None or "grouped_tok" in only:
+        best["grouped_tok"] = _pick("grouped_tok", [{"block_g": g, "block_c": c, "num_warps": w}
+                                                    for g in (2, 4, 8) for c in (64, 128) for w in (g // 2, g)],
+                                    lambda: kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil",
+                                                                             torch.bfloat16))
+    if only is None or "dequant_t" in only:
+        qc, sc = kq.quantize_colwise(x)
+        best["dequant_t"] = _pick("dequant_t", [{"tile": t, "num_warps": w} for t in ((64, 64), (64, 128), (128, 64),
+                                                                                      (128, 128), (32, 128))
+                                                for w in (4, 8)],
+                                  lambda: kq.dequantize_colwise(qc, sc, torch.bfloat16))
+        del qc, sc
+    if only is not None and "t8" not in only:
+        print("tuning:", json.dumps(kq.TUNING))
+        return best
     # hw_round 1: Triton's float8 cast; 2: the PTX that also packs codes and applies the NaN rule
     if only is None:
         best["rows"] = _pick("rows", [{"block_b": b, "num_warps": w, "hw_round": h} for h in (1, 2)
@@ -170,14 +190,6 @@ def sweep(only: set | None = None) -> dict:
                                   for m in (128, 120, 112)]
                                + [{"block_t": 64, "block_c": 64, "num_warps": 2, "enabled": False, "staged": False}],
                                lambda: kq.quantize_grouped_colwise(x, offsets))
-    # with t8 off: the quarter-read kernel for codes against the byte kernel
-    t8_best = dict(kq.TUNING["grouped_t8"])
-    kq.TUNING["grouped_t8"] = {**t8_best, "enabled": False}
-    best["grouped_t4"] = _pick("grouped_t4", [{"block_c": b, "num_warps": w, "enabled": True, "codes": True}
-                                              for b in (256, 512) for w in (4, 8)]
-                               + [{"block_c": 128, "num_warps": 4, "enabled": True, "codes": False}],
-                               lambda: kq.quantize_grouped_colwise(x, offsets))
-    kq.TUNING["grouped_t8"] = t8_best
     best["dequant"] = _pick("dequant", [{"tile": t, "num_warps": 4} for t in ((32, 128), (32, 256))],
                             lambda: kq.dequantize_rowwise(*kq.quantize_rowwise(x), torch.bfloat16))
     print("tuning:", json.dumps(kq.TUNING))
@@ -187,7 +199,8 @@ def sweep(only: set | None = None) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="tune launch settings first")
-    ap.add_argument("--sweep-only", default=None, choices=["t8"], help="sweep only the t8 kernel's settings")
+    ap.add_argument("--sweep-only", default=None, choices=SWEEP_ONLY, action="append",
+                    help="sweep only this kernel's settings (repeatable)")
     ap.add_argument("--out", default=None, help="JSON result file")
     ap.add_argument("--torchao-triton", action="store_true",
                     help="also try torchao's Triton MXFP8 kernels (gated to sm100; fail in PTXAS on sm90)")
@@ -201,7 +214,7 @@ def main() -> int:
     tao = load_torchao()
     info["torchao"] = tao["version"] if tao else None
     print(json.dumps(info))
-    tuning = sweep({args.sweep_only} if args.sweep_only else None) if args.sweep or args.sweep_only else None
+    tuning = sweep(set(args.sweep_only) if args.sweep_only else None) if args.sweep or args.sweep_only else None
     info["tuning"] = json.loads(json.dumps(kq.TUNING))
     info["sweep_best"] = tuning
     rows = []
@@ -257,6 +270,11 @@ def main() -> int:
         t = bench(lambda: kq.dequantize_rowwise(q, s, torch.bfloat16))
         record((M, K), "dequant rowwise", t, n + n // 32 + 2 * n, copy_bw, None, "",
                torch.equal(dq, ref.dequantize(torch.bfloat16, backend="reference")))
+        dqc = kq.dequantize_colwise(qt, st, torch.bfloat16)
+        t = bench(lambda: kq.dequantize_colwise(qt, st, torch.bfloat16))
+        record((M, K), "dequant colwise", t, n + n // 32 + 2 * n, copy_bw, None, "transposed codes back to (M, K)",
+               torch.equal(dqc, refc.dequantize(torch.bfloat16, backend="reference")))
+        del dqc
         t = bench(lambda: torch.ops.mxmoe.fake_quantize(x, 1, "e4m3", "rceil", torch.bfloat16))
         record((M, K), "fake_quantize", t, 2 * n + 2 * n, copy_bw, None, "read bf16, write dequantized bf16")
         # grouped column-wise: 64 uneven experts
@@ -272,7 +290,7 @@ def main() -> int:
         want = kq.dequantize_rowwise(rq, rs, torch.bfloat16)
         t = bench(lambda: kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", torch.bfloat16))
         record((M, K), "grouped fake_quant", t, 2 * n + 2 * K * Tp, copy_bw, None,
-               "read bf16, write dequantized bf16 transposed (the wgrad operand)", torch.equal(dqg, want))
+               "read bf16, write dequantized bf16 (Tp, C) (the wgrad operand)", torch.equal(dqg.t(), want))
         del dqg, want
         del x, q, s, qt, st, out, dq, qg, sg, rq, rs, ref, refc
         torch.cuda.empty_cache()

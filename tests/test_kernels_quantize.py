@@ -168,8 +168,9 @@ def test_grouped_colwise_bit_exact(name, fmt, mode):
     assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs))
     assert torch.equal(pofs.cpu(), rpofs)
     dq, pofs2 = kq.fake_quantize_grouped_colwise(x, offsets, fmt, mode, torch.float32)
-    want = torch.ops.mxmoe.dequantize_rowwise(q, s, torch.float32)
-    assert torch.equal(dq.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0)) and torch.equal(pofs2, pofs)
+    want = torch.ops.mxmoe.dequantize_rowwise(q, s, torch.float32)  # (C, Tp)
+    assert dq.shape == (Tp, C) and dq.is_contiguous()
+    assert torch.equal(dq.t().cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0)) and torch.equal(pofs2, pofs)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -186,6 +187,52 @@ def test_dequantize_and_fake_quantize_match_reference(out_dtype, fmt):
         got = fake_quantize_mx(x, fmt, dim=dim, out_dtype=out_dtype, backend="triton", pad=True).cpu()
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(96, 160), (33, 64), (1, 32), (200, 96)])
+def test_dequantize_colwise_is_the_transposed_rowwise(shape, fmt, out_dtype):
+    """dequantize_colwise(codes (K, M), scales) == dequantize_rowwise(...).t(), contiguous
+    (M, K), at shapes that are not multiples of the transposing tile (masked edges)."""
+    K, M = shape
+    x = hard(K, M, seed=K + M)
+    mx = quantize_mx(x.cpu(), fmt, backend="reference")
+    q, s = mx.qdata.to(DEV), mx.scale.to(DEV)
+    got = kq.dequantize_colwise(q, s, out_dtype)
+    assert got.shape == (M, K) and got.is_contiguous() and got.dtype == out_dtype
+    want = kq.dequantize_rowwise(q, s, out_dtype).t()
+    assert torch.equal(got.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0))
+    with pytest.raises(ValueError, match="2-D"):
+        kq.dequantize_colwise(q.unsqueeze(0), s.unsqueeze(0), out_dtype)
+
+
+@pytest.mark.parametrize("block_g,block_c", [(1, 32), (2, 64), (4, 32)])
+def test_grouped_token_dequantized_any_tile(monkeypatch, block_g, block_c):
+    """The (Tp, C) dequantized wgrad operand is the same for any blocks per program and
+    column tile (experts with 0, 1, 31, 33 rows, NaN rows past the end, C not a multiple
+    of the tile), and equals the reference path of ops.fake_quantize_grouped_tokens,
+    which returns the same (C, Tp) view of a contiguous (Tp, C) tensor."""
+    from mxmoe.ops.quantize import fake_quantize_grouped_tokens
+    from mxmoe.recipe import get_recipe
+
+    monkeypatch.setattr(kq, "_TILE_INTERPRETER", (64, block_c))
+    monkeypatch.setattr(kq, "_GROUPED_TOK_INTERPRETER_G", block_g)
+    sizes = [0, 1, 31, 33, 0, 64]
+    T, C = sum(sizes) + 5, 96
+    x = hard(T, C, seed=block_g * block_c)
+    x[sum(sizes):] = float("nan")
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    rq, rs, rpofs = torch_quantize_grouped_dim0(x.cpu(), offsets.cpu())
+    want = kq.dequantize_rowwise(rq.to(DEV), rs.to(DEV), torch.float32).t().cpu()
+    dq, pofs = kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", torch.float32)
+    assert dq.shape == want.shape and torch.equal(dq.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+    assert torch.equal(pofs.cpu(), rpofs)
+    for backend in ("triton", "reference"):
+        got, po = fake_quantize_grouped_tokens(x, offsets, get_recipe("mxfp8", backend=backend),
+                                               out_dtype=torch.float32)
+        assert got.shape == (C, want.shape[0]) and got.t().is_contiguous()
+        assert torch.equal(got.t().cpu().nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(po.cpu(), rpofs)
 
 
 def test_blocked_scales_equal_to_blocked_layout():
@@ -288,7 +335,6 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t, t4, t8):
     monkeypatch.setitem(kq.TUNING, "t8", {**kq.TUNING["t8"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "t8_colwise", {**kq.TUNING["t8_colwise"], **t8_settings})
     monkeypatch.setitem(kq.TUNING, "grouped_t8", {**kq.TUNING["grouped_t8"], **t8_settings})
-    monkeypatch.setitem(kq.TUNING, "grouped_t4", {**kq.TUNING["grouped_t4"], "enabled": t4, "codes": t4})
     x = hard(96, 160, seed=sum(tile), dtype=torch.bfloat16)
     q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
     q1, s1 = kq.quantize_rowwise(x, "e5m2", "floor", blocked=True)
@@ -303,10 +349,10 @@ def test_every_kernel_variant(monkeypatch, tile, pack_t, t4, t8):
     qg, sg, _ = kq.quantize_grouped_colwise(x, offsets)
     rqg, rsg, _ = torch_quantize_grouped_dim0(x.cpu(), offsets.cpu())
     assert torch.equal(u8(qg), u8(rqg)) and torch.equal(u8(sg), u8(rsg))
-    for dt in (torch.bfloat16, torch.float32):  # transposed dequantized values, packed in pairs under t4
+    for dt in (torch.bfloat16, torch.float32):  # dequantized values in the padded token layout
         dqg, _ = kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", dt)
         want = kq.dequantize_rowwise(rqg.to(DEV), rsg.to(DEV), torch.float32).to(dt).cpu()
-        assert torch.equal(dqg.cpu().nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(dqg.t().cpu().nan_to_num(7.0), want.nan_to_num(7.0))
     for dim in (0, 1):
         want = fake_quantize_mx(x.cpu(), dim=dim, out_dtype=torch.bfloat16, backend="reference")
         got = fake_quantize_mx(x, dim=dim, out_dtype=torch.bfloat16, backend="triton").cpu()
@@ -325,7 +371,7 @@ def test_grouped_offsets_any_layout_and_past_the_end():
         assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs)) and torch.equal(p.cpu(), rp)
         dq, _ = kq.fake_quantize_grouped_colwise(x, offs, "e4m3", "rceil", torch.float32)
         want = kq.dequantize_rowwise(q, s, torch.float32)
-        assert torch.equal(dq.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0))
+        assert torch.equal(dq.t().cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0))
     big = hard(128, 64, seed=12)
     big[64:] = float("nan")
     view = big[:64]  # the storage goes on past the view's last row
@@ -384,6 +430,26 @@ def test_zero_rows_past_end_kernel(end):
     offsets = torch.tensor([min(end, 5), end], dtype=torch.int32, device=DEV)
     got = zero_rows_past_end_(out, offsets)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("sizes", [[162, 0, 2577, 446, 0, 83], [0, 0, 5], [7, 0], [0], [3, 4]])
+def test_zero_empty_groups_kernel(sizes, monkeypatch):
+    """The wgrad's in-place zeroing touches exactly the matrices of experts with no tokens
+    (first, middle, last, all), over chunks that do not divide N * K."""
+    from mxmoe.kernels import rows
+
+    monkeypatch.setattr(rows, "CHUNK", 4096 * 2)
+    E = len(sizes)
+    out = torch.randn(E, 33, 300, device=DEV).to(torch.bfloat16)  # 9900 elements: a partial second chunk
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    want = out.clone()
+    for e, n in enumerate(sizes):
+        if n == 0:
+            want[e] = 0
+    got = rows.zero_empty_groups_(out, offsets)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), want.cpu())
+    with pytest.raises(ValueError, match="contiguous 3-D"):
+        rows.zero_empty_groups_(out.transpose(1, 2), offsets)
 
 
 def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):
@@ -455,6 +521,18 @@ else:  # the grouped t8 kernel with its H200 settings, and the one-launch layout
     layout = compile_sm90(tk._group_layout_kernel, {"ends_ptr": "*i32", "block_starts_ptr": "*i32",
                                                     "padded_offsets_ptr": "*i32"}, {"E_POW2": 128}, 4)
     assert len(layout["cubin"]) > 0
+    g = kq.TUNING["grouped_tok"]  # the dequantized wgrad operand (t8 read, rows written back)
+    tok = compile_sm90(tk._mx_grouped_tok_dq_kernel, {"x_ptr": "*bf16", "ends_ptr": "*i32", "block_starts_ptr": "*i32",
+                                                      "d_ptr": "*bf16"},
+                       {"ELEM": tk.ELEM_E4M3, "MODE": tk.MODE_RCEIL, "HW_ROUND": kq.TUNING["hw_round"],
+                        "SOFT_CASTS": False, "E_POW2": 128, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"],
+                        "stride_xc": 1}, g["num_warps"])
+    assert "max.NaN.f32" in tok["ptx"] and "ld.global.v4" in tok["ptx"]
+    d = kq.TUNING["dequant_t"]  # dequantize_colwise: the transposed store
+    dq_t = compile_sm90(tk._mx_dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16"},
+                        {"ELEM": tk.ELEM_E4M3, "SOFT_CASTS": False, "BLOCK_R": d["tile"][0], "BLOCK_C": d["tile"][1],
+                         "TRANS_OUT": True}, d["num_warps"])
+    assert len(dq_t["cubin"]) > 0
 print(json.dumps({"ptx": asm["ptx"], "cubin_bytes": len(asm["cubin"])}))
 """
 
@@ -499,6 +577,9 @@ def test_grouped_expert_ending_at_int32_max_reads_up_to_T():
     rq, rs, _ = torch_quantize_grouped_dim0(x, offsets)
     assert torch.equal(u8(q), u8(rq)) and torch.equal(u8(s), u8(rs))
     assert int((u8(q)[:, 32:] != 0).sum()) > 0
+    dq, _ = kq.fake_quantize_grouped_colwise(x, offsets, "e4m3", "rceil", torch.float32)
+    want = kq.dequantize_rowwise(rq, rs, torch.float32).t()
+    assert torch.equal(dq.cpu().nan_to_num(7.0), want.cpu().nan_to_num(7.0))
 
 
 def test_group_layout_reads_strided_and_int64_offsets():

@@ -10,8 +10,9 @@ Ops (FP8 elements only: fmt "e4m3" or "e5m2"; mode "rceil" or "floor"; block siz
 | ``quantize_rowcol`` | x (M, K) or (E, N, K) | both of the above from one read of x |
 | ``quantize_grouped_colwise`` | x (T, C), offsets (E,) | codes (C, Tp), scales (C, Tp / 32), padded offsets (E,) |
 | ``dequantize_rowwise`` | codes (..., K), scales (..., K / 32) | values (..., K) in bf16 or float32 |
+| ``dequantize_colwise`` | codes (K, M), scales (K, M / 32) | values (M, K): the transposed copy back |
 | ``fake_quantize`` | x, dim | dequantize(quantize(x along dim)) in one pass |
-| ``fake_quantize_grouped_colwise`` | x (T, C), offsets | dequantized (C, Tp), padded offsets |
+| ``fake_quantize_grouped_colwise`` | x (T, C), offsets | dequantized (Tp, C) (not transposed), padded offsets |
 
 ``blocked=True`` writes the scales in the Blackwell blocked layout instead (equal to
 :func:`~mxmoe.to_blocked_scales` of the plain scales; for 3-D inputs one blocked matrix
@@ -49,6 +50,7 @@ TUNING = {
     "colwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
     "grouped": {"block_c": 128, "num_warps": 2, "pack_t": False},
     "dequant": {"tile": (32, 128), "num_warps": 4},
+    "dequant_t": {"tile": (64, 64), "num_warps": 4},  # dequantize_colwise: transposed output
     # 1: round with the float8 cast instruction (RNE, satfinite on sm89+); 2: the same
     # instruction inside PTX that also packs the codes and applies the NaN rule four at a
     # time (triton_quantize._codes_asm); 0 (the interpreter): float32-arithmetic rounding
@@ -75,16 +77,13 @@ TUNING = {
     # _mx_grouped_col_t8_kernel, block_t tokens per program
     "grouped_t8": {"block_t": 256, "block_c": 64, "num_warps": 8, "enabled": True, "staged": True, "maxnreg": None,
                    "fmax": True},
-    # the quarter-read grouped kernel: faster than the byte kernel for dequantized output
-    # (57-84% of copy against 46%), and wrong on the H200 for float32 input at (13919,
-    # 2880) with 27 experts (benchmarks/check_kernels_cuda.py, commit e8943cb) and for
-    # bfloat16 codes with the fused gather (tests/test_moe_experts.py, commit 8396fae),
-    # neither reproduced under the interpreter: used only for bfloat16 input with
-    # dequantized output (checked on the H200); codes go through grouped_t8
-    "grouped_t4": {"block_c": 512, "num_warps": 8, "enabled": True, "codes": False},
+    # dequantized values along each expert's tokens (the wgrad operand) through
+    # _mx_grouped_tok_dq_kernel: block_g 32-token blocks x block_c columns per program
+    "grouped_tok": {"block_g": 8, "block_c": 64, "num_warps": 8},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
 _TILE_INTERPRETER = (64, 256)
+_GROUPED_TOK_INTERPRETER_G = 2  # 32-token blocks per program of the grouped dequantized kernel
 
 
 def interpreting() -> bool:
@@ -413,50 +412,47 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
              else torch.empty(C, Tp // BLOCK, dtype=u8, device=dev))
         out["q"], out["s"] = q.view(q_dtype), s.view(torch.float8_e8m0fnu)
     if dq_dtype is not None:
-        dq = out["dq"] = torch.empty(C, Tp, dtype=dq_dtype, device=dev)
-    if C and Tp and E:
-        t8 = _launch_settings("grouped_t8")
-        block_t = t8["tile"][0] if interpreting() else t8["block_t"]
-        if (t8["enabled"] and write_q and dq_dtype is None  # codes, with or without the gather
-                and all(_is_pow2(n) and n >= BLOCK for n in (block_t, t8["block_c"]))):
-            tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
-                x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
-                src if src is not None else dummy,
-                ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=t8["hw_round"], SOFT_CASTS=t8["soft_casts"],
-                E_POW2=triton.next_power_of_2(E + 1), BLOCK_T=block_t, BLOCK_C=t8["block_c"],
-                STAGED=t8["staged"], HAS_SRC=src is not None, FMAX=t8.get("fmax", True), num_warps=t8["num_warps"],
-                **_register_cap(t8),
-            )
-            return out
-        cfg = _launch_settings("grouped_t4")
-        t4_ok = cfg["enabled"] and x.dtype == torch.bfloat16 and (dq_dtype is not None or cfg["codes"])
-        if src is not None and x.dtype != torch.bfloat16:  # gather first (T already counts it), then the byte kernel
-            x, src = x.index_select(0, src.to(torch.int64)), None
-        if t4_ok or src is not None:
-            block_c = cfg["block_c"]
-            tk._mx_grouped_col_t4_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
-                x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
-                q, s, dq, Tp, _ceil_to(C, 128), src if src is not None else dummy,
-                ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
-                HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
-                E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c, num_warps=cfg["num_warps"],
-                HAS_SRC=src is not None,
-            )
-            return out
-        cfg = _launch_settings("grouped")
-        block_c = cfg["block_c"]
-        grid = (triton.cdiv(C, block_c), Tp // BLOCK)
-        tk._mx_grouped_col_kernel[grid](
-            x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E,
-            q, s, dq, Tp, _ceil_to(C, 128),
-            ELEM=elem, MODE=mode_code, WRITE_Q=write_q, WRITE_DQ=dq_dtype is not None, BLOCKED=blocked,
-            HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], PACK_T=cfg["pack_t"],
-            E_POW2=triton.next_power_of_2(E + 1), BLOCK_C=block_c, num_warps=cfg["num_warps"],
-        )
-    else:  # nothing to read: every output is zeros (scale byte 0)
+        dq = out["dq"] = torch.empty(Tp, C, dtype=dq_dtype, device=dev)
+    if not (C and Tp and E):  # nothing to read: every output is zeros (scale byte 0)
         for t in (q, s, dq):
             if t is not dummy:
                 t.zero_()
+        return out
+    e_pow2 = triton.next_power_of_2(E + 1)
+    if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
+        if src is not None:
+            x = x.index_select(0, src.to(torch.int64))
+        cfg = _launch_settings("grouped_tok")
+        block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
+        tk._mx_grouped_tok_dq_kernel[(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g))](
+            x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, dq, Tp,
+            ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], E_POW2=e_pow2,
+            BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+        )
+    if not write_q:
+        return out
+    t8 = _launch_settings("grouped_t8")
+    block_t = t8["tile"][0] if interpreting() else t8["block_t"]
+    if t8["enabled"] and all(_is_pow2(n) and n >= BLOCK for n in (block_t, t8["block_c"])):
+        # codes, with or without the gather
+        tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
+            x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
+            src if src is not None else dummy,
+            ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=t8["hw_round"], SOFT_CASTS=t8["soft_casts"],
+            E_POW2=e_pow2, BLOCK_T=block_t, BLOCK_C=t8["block_c"],
+            STAGED=t8["staged"], HAS_SRC=src is not None, FMAX=t8.get("fmax", True), num_warps=t8["num_warps"],
+            **_register_cap(t8),
+        )
+        return out
+    if src is not None:  # gather first (T already counts it), then the byte kernel
+        x = x.index_select(0, src.to(torch.int64))
+    cfg = _launch_settings("grouped")
+    block_c = cfg["block_c"]
+    tk._mx_grouped_col_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
+        x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
+        ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
+        PACK_T=cfg["pack_t"], E_POW2=e_pow2, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+    )
     return out
 
 
@@ -481,39 +477,60 @@ def _(x, offsets, fmt="e4m3", mode="rceil", blocked=False):
     return q, s, offsets.new_empty(offsets.shape, dtype=torch.int32)
 
 
-@torch.library.custom_op("mxmoe::dequantize_rowwise", mutates_args=())
-def dequantize_rowwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """codes (..., K) FP8 and plain scales (..., K / 32) E8M0 -> values (..., K) in
-    ``out_dtype`` (float32 or bfloat16): P_i * 2^(b - 127) exact in float32, then rounded."""
+def _dequantize_launch(q: Tensor, scale: Tensor, out_dtype: torch.dtype, transposed: bool) -> Tensor:
     if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise TypeError(f"scales must be float8_e8m0fnu (or their uint8 bytes), got {scale.dtype}")
+    if transposed and q.dim() != 2:
+        raise ValueError(f"dequantize_colwise takes 2-D codes (K, M), got shape {tuple(q.shape)}")
     K = q.shape[-1]
     if K % BLOCK or scale.shape != (*q.shape[:-1], K // BLOCK):
         raise ValueError(f"scales must have shape {(*q.shape[:-1], K // BLOCK)} for codes {tuple(q.shape)} "
-                         f"(K a multiple of {BLOCK}), got {tuple(scale.shape)}")
+                         f"(blocked dim a multiple of {BLOCK}), got {tuple(scale.shape)}")
     if q.device.type != "cuda" and not interpreting():
-        raise ValueError("dequantize_rowwise needs CUDA tensors (or TRITON_INTERPRET=1)")
+        raise ValueError("the dequantize kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     elem = tk.ELEM_E4M3 if q.dtype == torch.float8_e4m3fn else tk.ELEM_E5M2
     rows = q.numel() // K if K else 0
     q2 = q.contiguous().view(torch.uint8).reshape(rows, K)
     s2 = scale.contiguous().view(torch.uint8).reshape(rows, K // BLOCK)
-    out = torch.empty(rows, K, dtype=out_dtype, device=q.device)
+    out = torch.empty((K, rows) if transposed else (rows, K), dtype=out_dtype, device=q.device)
     if rows and K:
-        cfg = _launch_settings("dequant")
+        cfg = _launch_settings("dequant_t" if transposed else "dequant")
         block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(K, block_c), triton.cdiv(rows, block_r))
         tk._mx_dequant_kernel[grid](q2, s2, out, rows, K, ELEM=elem, SOFT_CASTS=cfg["soft_casts"],
-                                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=cfg["num_warps"])
-    return out.view(q.shape)
+                                    BLOCK_R=block_r, BLOCK_C=block_c, TRANS_OUT=transposed,
+                                    num_warps=cfg["num_warps"])
+    return out if transposed else out.view(q.shape)
+
+
+@torch.library.custom_op("mxmoe::dequantize_rowwise", mutates_args=())
+def dequantize_rowwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (..., K) FP8 and plain scales (..., K / 32) E8M0 -> values (..., K) in
+    ``out_dtype`` (float32 or bfloat16): P_i * 2^(b - 127) exact in float32, then rounded."""
+    return _dequantize_launch(q, scale, out_dtype, False)
 
 
 @dequantize_rowwise.register_fake
 def _(q, scale, out_dtype=torch.float32):
     return q.new_empty(q.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("mxmoe::dequantize_colwise", mutates_args=())
+def dequantize_colwise(q: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """A transposed column-wise copy back in the input's layout: codes (K, M) and plain
+    scales (K, M / 32) (what ``quantize_colwise`` / ``quantize_grouped_colwise`` write,
+    blocks along M) -> values (M, K) in ``out_dtype``; equal to
+    ``dequantize_rowwise(q, scale).t()``, written contiguous."""
+    return _dequantize_launch(q, scale, out_dtype, True)
+
+
+@dequantize_colwise.register_fake
+def _(q, scale, out_dtype=torch.float32):
+    return q.new_empty(q.shape[1], q.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op("mxmoe::fake_quantize", mutates_args=())
@@ -555,8 +572,11 @@ def _(x, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
 @torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise", mutates_args=())
 def fake_quantize_grouped_colwise(x: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
                                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
-    """Dequantized per-expert token blocks in the padded transposed layout: x (T, C) ->
-    (C, Tp) values in ``out_dtype`` and the padded offsets (E,) int32."""
+    """Dequantized per-expert token blocks in the padded token layout, not transposed:
+    x (T, C) -> (Tp, C) values in ``out_dtype`` (row 32 b + i: token i of padded block b,
+    zeros past its expert's tokens) and the padded offsets (E,) int32. Read and written
+    along C: ``out.t()`` is the (C, Tp) operand of the wgrad GEMM in the layout that
+    ``torch._grouped_mm`` runs fastest (benchmarks/wgrad_layout.py)."""
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     out = _grouped_launch(x, offsets, fmt, mode, False, out_dtype, False)
@@ -567,4 +587,4 @@ def fake_quantize_grouped_colwise(x: Tensor, offsets: Tensor, fmt: str = "e4m3",
 def _(x, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
     T, C = x.shape
     Tp = BLOCK * (T // BLOCK + offsets.shape[0])
-    return x.new_empty(C, Tp, dtype=out_dtype), offsets.new_empty(offsets.shape, dtype=torch.int32)
+    return x.new_empty(Tp, C, dtype=out_dtype), offsets.new_empty(offsets.shape, dtype=torch.int32)

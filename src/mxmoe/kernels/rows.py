@@ -1,5 +1,6 @@
-"""Zero the rows of a grouped-GEMM output past the last group, in place, without reading
-the offsets on the host.
+"""Zero the parts of a grouped-GEMM output that no group writes, in place, without
+reading the offsets on the host: the rows past the last group (forward / dgrad) and the
+weight gradients of experts with no tokens (wgrad).
 
 ``torch._grouped_mm`` leaves the rows past ``offsets[-1]`` unwritten. A masked
 ``torch.where`` over the whole output costs a full read and write of it; this kernel
@@ -42,4 +43,42 @@ def zero_rows_past_end_(out_TC: Tensor, offsets_E: Tensor) -> Tensor:
     return out_TC
 
 
-__all__ = ["zero_rows_past_end_"]
+CHUNK = 1 << 16  # elements of one expert's matrix per program of the empty-group kernel
+
+
+@triton.jit
+def _zero_empty_groups_kernel(out_ptr, ends_ptr, MN, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    if end <= start:  # uniform: programs of experts with tokens store nothing
+        base = out_ptr + e.to(tl.int64) * MN
+        first = tl.program_id(1).to(tl.int64) * CHUNK
+        for j in tl.range(0, CHUNK, BLOCK):
+            idx = first + j + tl.arange(0, BLOCK)
+            tl.store(base + idx, tl.zeros((BLOCK,), dtype=out_ptr.dtype.element_ty), mask=idx < MN)
+
+
+def zero_empty_groups_(out_ENK: Tensor, offsets_E: Tensor) -> Tensor:
+    """Set ``out_ENK[e]`` to zero for every expert e with no tokens (offsets_E[e] <=
+    offsets_E[e - 1], offsets_E[-1] read as 0), in place; returns it. A wgrad from
+    ``torch._grouped_mm`` leaves those matrices unwritten; a ``torch.where`` over the
+    whole (E, N, K) output would read and write all of it, this kernel writes only the
+    empty experts' matrices. out_ENK: contiguous (E, N, K); offsets_E: (E,) int32/int64
+    cumulative token ends on the same device.
+
+    Raises:
+        ValueError: out_ENK not contiguous 3-D, or offsets not (E,)."""
+    if not out_ENK.is_contiguous() or out_ENK.dim() != 3:
+        raise ValueError(f"zero_empty_groups_ needs a contiguous 3-D tensor, got shape {tuple(out_ENK.shape)}")
+    E = out_ENK.shape[0]
+    if offsets_E.shape != (E,):
+        raise ValueError(f"offsets must have shape ({E},), got {tuple(offsets_E.shape)}")
+    MN = out_ENK[0].numel() if E else 0
+    if E and MN:
+        _zero_empty_groups_kernel[(E, triton.cdiv(MN, CHUNK))](out_ENK, offsets_E.contiguous(), MN,
+                                                               CHUNK=CHUNK, BLOCK=4096, num_warps=8)
+    return out_ENK
+
+
+__all__ = ["zero_empty_groups_", "zero_rows_past_end_"]

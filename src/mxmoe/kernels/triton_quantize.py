@@ -13,11 +13,13 @@ on element bytes and scale bytes (docs/NUMERICS.md). Two kernels cover all layou
   expert, each expert's tokens in their own blocks, into a transposed, per-expert padded
   layout (C, Tp): expert e's tokens start at column 32 * block_start[e], its last block
   is zero padded, Tp = 32 * (T // 32 + E) is a static bound (no host sync).
+- ``_mx_grouped_tok_dq_kernel``: the same blocks, dequantized (the wgrad operand of the
+  emulated GEMM), written in the padded token layout (Tp, C) without transposing.
 
 Faster kernels for the same outputs, chosen by :mod:`mxmoe.kernels.quantize` where they
 apply: ``_mx_rows_kernel`` (contiguous row-wise), the transposing ``_mx_tile_t8_kernel``
 and ``_mx_grouped_col_t8_kernel`` (codes; 8 x 8 patches per thread, see the section
-comment), and the quarter-read ``_mx_tile_t4_kernel`` / ``_mx_grouped_col_t4_kernel``. On
+comment), and the quarter-read ``_mx_tile_t4_kernel``. On
 the GPU (HW_ROUND == 2) the codes are made four at a time in inline PTX
 (:func:`_codes_asm`, :func:`_words_asm`); the interpreter runs the same kernels with
 float32-arithmetic rounding (HW_ROUND == 0), so CI checks their indexing and masking.
@@ -581,11 +583,12 @@ def _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2: tl.constexpr):
 def _mx_grouped_col_kernel(
     x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
-    q_ptr, s_ptr, d_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32), dequantized (C, Tp)
-    ELEM: tl.constexpr, MODE: tl.constexpr,
-    WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+    q_ptr, s_ptr, Tp, C128,  # codes (C, Tp), scales (C, Tp / 32)
+    ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
     SOFT_CASTS: tl.constexpr, PACK_T: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """Grouped column-wise codes, one 32-token block x BLOCK_C columns per program, the
+    transpose left to Triton (the fallback when the t8 kernel is disabled)."""
     pid_c = tl.program_id(0)
     blk = tl.program_id(1)  # 32-token block of the padded layout
     tok0, tok_end = _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2)
@@ -604,16 +607,12 @@ def _mx_grouped_col_kernel(
     r, codes = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, True)
     pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)  # column in the padded layout
     out_mask = (cols < C)[None, :] & (pos < Tp)[:, None]
-    if WRITE_Q:
-        if PACK_T:
-            _store_transposed_packed(q_ptr, 0, Tp // 4, codes, cols64, cols < C, blk * 8, Tp // 4, 32, BLOCK_C)
-        else:
-            tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
-        tl.store(s_ptr + _scale_offset(0, C, C128, Tp, cols64, blk.to(tl.int64), BLOCKED), _scale_bits(e, nf),
-                 mask=cols < C)
-    if WRITE_DQ:
-        tl.store(d_ptr + cols64[None, :] * Tp + pos[:, None],
-                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_mask)
+    if PACK_T:
+        _store_transposed_packed(q_ptr, 0, Tp // 4, codes, cols64, cols < C, blk * 8, Tp // 4, 32, BLOCK_C)
+    else:
+        tl.store(q_ptr + cols64[None, :] * Tp + pos[:, None], codes, mask=out_mask)
+    tl.store(s_ptr + _scale_offset(0, C, C128, Tp, cols64, blk.to(tl.int64), BLOCKED), _scale_bits(e, nf),
+             mask=cols < C)
 
 
 @triton.jit
@@ -640,7 +639,10 @@ def _decode_blocks(codes, sbits, ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr,
 def _mx_dequant_kernel(
     q_ptr, s_ptr, out_ptr, n_rows, n_cols,  # codes (rows, cols), scales (rows, cols / 32)
     ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TRANS_OUT: tl.constexpr = False,
 ):
+    """Values (rows, cols), or with TRANS_OUT their transpose (cols, rows) (Triton moves the
+    tile through shared memory so that both the read and the write are coalesced)."""
     rows = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -649,7 +651,11 @@ def _mx_dequant_kernel(
     sbits = tl.load(s_ptr + rows[:, None] * (n_cols // 32) + scols[None, :],
                     mask=(rows < n_rows)[:, None] & (scols < n_cols // 32)[None, :], other=127)
     value = _decode_blocks(codes, sbits, ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], _from_float32(value, out_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
+    value = _from_float32(value, out_ptr.dtype.element_ty, SOFT_CASTS)
+    if TRANS_OUT:
+        tl.store(out_ptr + cols[None, :] * n_rows + rows[:, None], value, mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], value, mask=mask)
 
 
 # ---- transposing kernels that pack before they transpose ----------------------------------
@@ -731,72 +737,6 @@ def _mx_tile_t4_kernel(
     s_mask = (srows < Rp // 32)[:, None] & col_in[None, :]
     s_off = _scale_offset(b, C, C128, Rp, cols64[None, :], srows[:, None], BLOCKED)
     tl.store(sc_ptr + s_off, _scale_bits(e, nf), mask=s_mask)
-
-
-@triton.jit
-def _mx_grouped_col_t4_kernel(
-    x_ptr, stride_xt, stride_xc, T, C,
-    ends_ptr, block_starts_ptr, E,
-    q_ptr, s_ptr, d_ptr, Tp, C128, src_ptr,
-    ELEM: tl.constexpr, MODE: tl.constexpr,
-    WRITE_Q: tl.constexpr, WRITE_DQ: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-    SOFT_CASTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SRC: tl.constexpr,
-):
-    """``_mx_grouped_col_kernel`` with the 32-token block read as four 8-token quarters
-    (tokens 4i + j) so that codes are packed into int32 words before the transpose, and
-    dequantized bf16 values into pairs. HAS_SRC: sorted row t is row src[t] of x (the
-    token permute fused into the read; T then counts sorted rows)."""
-    pid_c = tl.program_id(0)
-    blk = tl.program_id(1)
-    tok0, tok_end = _block_tokens(blk, ends_ptr, block_starts_ptr, E, T, E_POW2)
-    i = tl.arange(0, 8)
-    t0 = tok0 + 4 * i
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    cols64 = cols.to(tl.int64)
-    col_in = cols < C
-    base = x_ptr + cols64[None, :] * stride_xc
-    if HAS_SRC:
-        s0 = tl.load(src_ptr + t0, mask=t0 < tok_end, other=0).to(tl.int64)
-        s1 = tl.load(src_ptr + t0 + 1, mask=t0 + 1 < tok_end, other=0).to(tl.int64)
-        s2 = tl.load(src_ptr + t0 + 2, mask=t0 + 2 < tok_end, other=0).to(tl.int64)
-        s3 = tl.load(src_ptr + t0 + 3, mask=t0 + 3 < tok_end, other=0).to(tl.int64)
-    else:
-        s0, s1, s2, s3 = t0.to(tl.int64), (t0 + 1).to(tl.int64), (t0 + 2).to(tl.int64), (t0 + 3).to(tl.int64)
-    x0 = _to_float32(tl.load(base + s0[:, None] * stride_xt,
-                             mask=(t0 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x1 = _to_float32(tl.load(base + s1[:, None] * stride_xt,
-                             mask=(t0 + 1 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x2 = _to_float32(tl.load(base + s2[:, None] * stride_xt,
-                             mask=(t0 + 2 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    x3 = _to_float32(tl.load(base + s3[:, None] * stride_xt,
-                             mask=(t0 + 3 < tok_end)[:, None] & col_in[None, :], other=0.0), SOFT_CASTS)
-    m = tl.maximum(tl.maximum(_abs_bits(x0), _abs_bits(x1)), tl.maximum(_abs_bits(x2), _abs_bits(x3)))
-    e, nf, e_x, nf_x = _col_block_scales(m, ELEM, MODE, 8, 8, BLOCK_C)  # e, nf (1, BLOCK_C)
-    r0, c0 = _quantize_values(x0, e_x, nf_x, ELEM, HW_ROUND, False)
-    r1, c1 = _quantize_values(x1, e_x, nf_x, ELEM, HW_ROUND, False)
-    r2, c2 = _quantize_values(x2, e_x, nf_x, ELEM, HW_ROUND, False)
-    r3, c3 = _quantize_values(x3, e_x, nf_x, ELEM, HW_ROUND, False)
-    if WRITE_Q:
-        c0 = _nan_codes(c0, x0, nf_x)
-        c1 = _nan_codes(c1, x1, nf_x)
-        c2 = _nan_codes(c2, x2, nf_x)
-        c3 = _nan_codes(c3, x3, nf_x)
-        words = tl.trans(_pack4(c0, c1, c2, c3))  # (BLOCK_C, 8)
-        _store_words_t(q_ptr, 0, Tp // 4, words, cols64, col_in, blk * 8 + i, Tp // 4)  # word = 4 tokens
-        sbits = tl.reshape(_scale_bits(e, nf), (BLOCK_C,))
-        tl.store(s_ptr + _scale_offset(0, C, C128, Tp, cols64, blk.to(tl.int64), BLOCKED), sbits, mask=col_in)
-    if WRITE_DQ:
-        dt = d_ptr.dtype.element_ty
-        d0 = _from_float32(_dequantized(r0, e_x, nf_x), dt, SOFT_CASTS)
-        d1 = _from_float32(_dequantized(r1, e_x, nf_x), dt, SOFT_CASTS)
-        d2 = _from_float32(_dequantized(r2, e_x, nf_x), dt, SOFT_CASTS)
-        d3 = _from_float32(_dequantized(r3, e_x, nf_x), dt, SOFT_CASTS)
-        # (8, BLOCK_C) x 4 -> (BLOCK_C, 8, 4): output row c, tokens 4i + j contiguous
-        v = tl.join(tl.join(d0, d2), tl.join(d1, d3))  # (8, BLOCK_C, 2, 2): [i, c, p, q] = d_(2p + q)
-        v = tl.permute(v, (1, 0, 2, 3))  # (BLOCK_C, 8, 2, 2): [c, i, p, q] = token 4i + 2p + q
-        v = tl.reshape(v, (BLOCK_C, 32))
-        pos = blk.to(tl.int64) * 32 + tl.arange(0, 32)
-        tl.store(d_ptr + cols64[:, None] * Tp + pos[None, :], v, mask=col_in[:, None] & (pos < Tp)[None, :])
 
 
 # ---- transposing kernels with the column blocks in registers (t8) -------------------------
@@ -1156,3 +1096,52 @@ def _mx_grouped_col_t8_kernel(
     x7 = _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, HAS_SRC)
     _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
+
+
+@triton.jit
+def _mx_grouped_tok_dq_kernel(
+    x_ptr, stride_xt, stride_xc, T, C,
+    ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
+    d_ptr, Tp,  # dequantized values (Tp, C), row-major: the per-expert padded token layout, not transposed
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Fake quantization along tokens, each expert's tokens in their own 32-token blocks,
+    written in the padded token layout without transposing: padded row 32 b + j of the
+    output is token tok0(b) + j of x (zero past its expert's end). A program takes BLOCK_G
+    blocks x BLOCK_C columns, read in the t8 layout of :func:`_mx_grouped_col_t8_kernel`
+    (eight tensors x_k (4 G, BLOCK_C), row i of x_k being row 8 (i % 4) + k of block i // 4),
+    so a column block reduces in registers plus two shuffles; each x_k is written back to
+    its own rows, reads and writes both coalesced along C."""
+    G: tl.constexpr = BLOCK_G
+    pid_c = tl.program_id(0)
+    blk0 = tl.program_id(1) * G
+    tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
+    i = tl.arange(0, 4 * G)
+    t0 = (tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4))[:, None]
+    t_end = tl.reshape(tl.broadcast_to(tok_end[:, None], (G, 4)), (4 * G,))[:, None]
+    p0 = ((blk0 + i // 4).to(tl.int64) * 32 + 8 * (i % 4))[:, None]  # output row of x_0's rows
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    c_ok = cols < C
+    base = x_ptr + cols[None, :] * stride_xc
+    c_in = c_ok[None, :]
+    xs = (_load_token8(base, x_ptr, t0, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 1, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 2, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 3, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 4, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 5, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 6, t_end, c_in, stride_xt, False),
+          _load_token8(base, x_ptr, t0 + 7, t_end, c_in, stride_xt, False))
+    m = _absmax8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
+                 _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
+                 _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), HW_ROUND == 2)
+    amax = _block_amax_bits(tl.reshape(m, (G, 4, BLOCK_C)), 1, HW_ROUND == 2)  # (G, BLOCK_C)
+    sb, _, nf = _scale_byte_inv(amax, ELEM, MODE)
+    nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
+    e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
+    out_ok = (p0 < Tp) & c_in
+    for k in tl.static_range(8):
+        r, _ = _quantize_values(_widen(xs[k], SOFT_CASTS), e_x, nf_x, ELEM, HW_ROUND, False)
+        tl.store(d_ptr + (p0 + k) * C + cols[None, :],
+                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_ok)

@@ -210,5 +210,10 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
         out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
             out[e] = a_NL[:, s:t] @ b_KL[:, s:t].t()
+    if out.device.type == "cuda" and out.is_contiguous() and _triton_available():
+        # an output fresh from the GEMM: zero only the empty experts' matrices, in place
+        from ..kernels.rows import zero_empty_groups_
+
+        return zero_empty_groups_(out, offsets_E)
     sizes = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1, dtype=torch.int64))
     return torch.where((sizes > 0).view(E, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))

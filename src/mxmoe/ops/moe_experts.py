@@ -118,12 +118,17 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
 
 
 def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
-    """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap)."""
+    """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap); on the
+    Triton path the transposed view of a contiguous (Ap, C) tensor, the wgrad GEMM's
+    fastest layout (as :func:`~mxmoe.ops.quantize.fake_quantize_grouped_tokens`)."""
+    if _triton(recipe, q.device):
+        from ..kernels.quantize import dequantize_colwise
+
+        return dequantize_colwise(q, s, GEMM_DTYPE).t()
     C, Ap = q.shape
     mx = MXTensor(qdata=q, scale=s, fmt=ElemFormat.parse(recipe.fmt), block_size=BLOCK, dim=1,
                   scale_mode=recipe.scale_mode, orig_size=Ap)
-    backend = "triton" if _triton(recipe, q.device) else "reference"
-    return dequantize_mx(mx, GEMM_DTYPE, backend=backend)
+    return dequantize_mx(mx, GEMM_DTYPE, backend="reference")
 
 
 class _MXExpertsFunction(torch.autograd.Function):

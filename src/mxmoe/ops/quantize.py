@@ -55,18 +55,21 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
         recipe: a quantizing recipe. out_dtype: dtype of the result.
 
     Returns:
-        ``(xq_CTp, padded_offsets_E)``: (C, Tp) dequantized values and (E,) int32
-        cumulative ends in the padded token layout.
+        ``(xq_CTp, padded_offsets_E)``: (C, Tp) dequantized values, the transposed view of
+        a contiguous (Tp, C) tensor (the layout in which ``torch._grouped_mm`` runs the
+        wgrad fastest: ``benchmarks/wgrad_layout.py``), and (E,) int32 cumulative ends in
+        the padded token layout.
     """
     if out_dtype in TRITON_DTYPES and use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size,
                                                  recipe.backend):
         from ..kernels.quantize import fake_quantize_grouped_colwise
 
-        return fake_quantize_grouped_colwise(x_TC, offsets_E.to(torch.int32), recipe.fmt.value,
-                                             recipe.scale_mode.value, out_dtype)
+        xq_TpC, padded_offsets = fake_quantize_grouped_colwise(x_TC, offsets_E.to(torch.int32), recipe.fmt.value,
+                                                               recipe.scale_mode.value, out_dtype)
+        return xq_TpC.t(), padded_offsets
     padded_TpC, padded_offsets = scatter_to_padded_groups(x_TC, offsets_E, recipe.block_size)
-    xq = fake_quantize(padded_TpC.t(), recipe, dim=1, out_dtype=out_dtype)
-    return xq, padded_offsets
+    xq = fake_quantize(padded_TpC, recipe, dim=0, out_dtype=out_dtype)
+    return xq.t(), padded_offsets
 
 
 def fake_quantize_rowcol(x_TC: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
