@@ -452,29 +452,6 @@ def test_zero_empty_groups_kernel(sizes, monkeypatch):
         rows.zero_empty_groups_(out.transpose(1, 2), offsets)
 
 
-@pytest.mark.parametrize("group_c", [1, 2, 3, 5, 8])
-def test_t8_column_band_order_covers_every_tile_once(monkeypatch, group_c):
-    """Tiles handed out in bands of group_c column tiles (the last band narrower when the
-    column tiles do not divide, or wider than the grid) give the library's bytes: every
-    tile exactly once, row + column, column-only, and 3-D weights (one grid per matrix)."""
-    monkeypatch.setattr(kq, "_TILE_INTERPRETER", (32, 32))
-    for kind in ("t8", "t8_colwise"):
-        monkeypatch.setitem(kq.TUNING, kind, {**kq.TUNING[kind], "group_c": group_c})
-    x = hard(96, 160, seed=group_c, dtype=torch.bfloat16)  # 3 row tiles x 5 column tiles
-    q, s, qt, st = kq.quantize_rowcol(x, "e4m3", "rceil")
-    rq, rs = ref_rowwise(x, "e4m3", "rceil")
-    rqt, rst = ref_colwise_t(x, "e4m3", "rceil")
-    assert torch.equal(u8(q), rq) and torch.equal(u8(s), rs) and torch.equal(u8(qt), rqt) and torch.equal(u8(st), rst)
-    qc, sc = kq.quantize_colwise(x, "e4m3", "rceil")
-    assert torch.equal(u8(qc), rqt) and torch.equal(u8(sc), rst)
-    w = torch.stack([hard(64, 96, seed=e) for e in range(2)]).to(DEV)
-    q, s, qt, st = kq.quantize_rowcol(w)
-    rr = quantize_mx(w.cpu(), dim=2, backend="reference")
-    rc = quantize_mx(w.cpu(), dim=1, backend="reference")
-    assert torch.equal(u8(q), u8(rr.qdata)) and torch.equal(u8(s), u8(rr.scale))
-    assert torch.equal(u8(qt), u8(rc.qdata.transpose(1, 2))) and torch.equal(u8(st), u8(rc.scale.transpose(1, 2)))
-
-
 def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):
     """A t8 tile Triton cannot build (rows a multiple of 32 but not a power of two) sends
     the job to the next kernel instead of failing to compile."""

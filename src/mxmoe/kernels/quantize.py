@@ -139,7 +139,7 @@ def _launch_settings(kind: str) -> dict:
     the kind's kernel switches (``enabled``, ``codes``) kept as set."""
     common = {"pack_t": TUNING["pack_t"], "rows_flat": TUNING["rows_flat"]}
     if interpreting():
-        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes", "staged", "fmax", "group_c")}
+        switches = {k: v for k, v in TUNING[kind].items() if k in ("enabled", "codes", "staged", "fmax")}
         return {"tile": _TILE_INTERPRETER, "block_c": _TILE_INTERPRETER[1], "block_b": 256, "num_warps": 4,
                 "hw_round": False, "soft_casts": True, "enabled": True, **switches, **common}
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
@@ -215,7 +215,7 @@ def launch_tile(
         cfg = t8 if use_t8 else t4
         kernel = tk._mx_tile_t8_kernel if use_t8 else tk._mx_tile_t4_kernel
         extra = ({"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), "PREFETCH": cfg.get("prefetch", 0),
-                  "GROUP_C": cfg.get("group_c", 0), **_register_cap(cfg)} if use_t8 else {})
+                  **_register_cap(cfg)} if use_t8 else {})
         block_r, block_c = cfg["tile"]
         grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
         kernel[grid](

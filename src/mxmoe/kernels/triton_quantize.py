@@ -1013,29 +1013,17 @@ def _mx_tile_t8_kernel(
     Rp, Cp, R128, C128,
     ELEM: tl.constexpr, MODE: tl.constexpr, ROWWISE: tl.constexpr, BLOCKED: tl.constexpr,
     HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0, GROUP_C: tl.constexpr = 0,
+    STAGED: tl.constexpr, FMAX: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """Column-wise (transposed) codes, and optionally row-wise codes, of a (B, R, C) tensor
     from one read; tile (BLOCK_R, BLOCK_C), both multiples of 32, read as eight
     (BLOCK_R / 8, BLOCK_C) tensors (see the comment above). FMAX: block amax by the float
     max of |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns.
     PREFETCH > 0: first prefetch into L2 the input tile that many row tiles below
-    (:func:`_prefetch_tile`). One tile per program: grid (column tiles, row tiles, B).
-    GROUP_C > 0: programs take tiles in bands of GROUP_C column tiles, all row tiles of a
-    band before the next, instead of row tile by row tile, so that the programs in flight
-    write a narrow band of the transposed output's rows (fewer pages and DRAM rows open)."""
+    (:func:`_prefetch_tile`). One tile per program: grid (column tiles, row tiles, B)."""
     G: tl.constexpr = BLOCK_R // 32
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    if GROUP_C > 0:
-        n_c = tl.num_programs(0)
-        n_r = tl.num_programs(1)
-        lin = pid_r * n_c + pid_c
-        band = lin // (GROUP_C * n_r)
-        width = tl.minimum(n_c - band * GROUP_C, GROUP_C)  # the last band may be narrower
-        idx = lin - band * GROUP_C * n_r
-        pid_r = idx // width
-        pid_c = band * GROUP_C + idx % width
     b = tl.program_id(2).to(tl.int64)
     if PREFETCH > 0:
         _prefetch_tile(x_ptr, stride_xb, stride_xr, stride_xc, R, C, Rp, pid_c, pid_r, b, PREFETCH, BLOCK_R, BLOCK_C)
