@@ -207,6 +207,21 @@ def test_dequantize_colwise_is_the_transposed_rowwise(shape, fmt, out_dtype):
         kq.dequantize_colwise(q.unsqueeze(0), s.unsqueeze(0), out_dtype)
 
 
+@pytest.mark.parametrize("shape", [(5, 0), (0, 64), (0, 0)])
+def test_dequantize_empty_shapes_match_their_fakes(shape):
+    """Empty codes give the shapes the ops' fake (meta) functions give: (M, K) for
+    dequantize_colwise of (K, M) codes, the codes' shape for dequantize_rowwise."""
+    K, M = shape
+    q = torch.zeros(K, M, device=DEV).to(torch.float8_e4m3fn)
+    s = torch.zeros(K, M // 32, dtype=torch.uint8, device=DEV)
+    assert kq.dequantize_colwise(q, s, torch.float32).shape == (M, K)
+    assert kq.dequantize_rowwise(q, s, torch.float32).shape == (K, M)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fq = torch.empty(K, M, dtype=torch.float8_e4m3fn)
+        fs = torch.empty(K, M // 32, dtype=torch.uint8)
+        assert torch.ops.mxmoe.dequantize_colwise(fq, fs, torch.float32).shape == (M, K)
+
+
 @pytest.mark.parametrize("block_g,block_c", [(1, 32), (2, 64), (4, 32)])
 def test_grouped_token_dequantized_any_tile(monkeypatch, block_g, block_c):
     """The (Tp, C) dequantized wgrad operand is the same for any blocks per program and
@@ -450,6 +465,26 @@ def test_zero_empty_groups_kernel(sizes, monkeypatch):
     assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), want.cpu())
     with pytest.raises(ValueError, match="contiguous 3-D"):
         rows.zero_empty_groups_(out.transpose(1, 2), offsets)
+    with pytest.raises(ValueError, match="int32/int64"):
+        rows.zero_empty_groups_(out, offsets.float())
+
+
+@pytest.mark.parametrize("t8", [True, False])
+def test_grouped_gather_with_codes_and_dequantized_values(monkeypatch, t8):
+    """The fused token gather (src) asked for codes and dequantized values in one call
+    gathers once: both equal the outputs for the gathered rows (t8 codes kernel and the
+    byte-kernel fallback)."""
+    monkeypatch.setitem(kq.TUNING, "grouped_t8", {**kq.TUNING["grouped_t8"], "enabled": t8})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 64, generator=g).to(torch.bfloat16).to(DEV)
+    src = torch.randperm(50, generator=g)[:40].to(DEV)
+    offs = torch.tensor([10, 25, 40], dtype=torch.int32, device=DEV)
+    xs = x.index_select(0, src)
+    rq, rs, _ = torch_quantize_grouped_dim0(xs.cpu(), offs.cpu())
+    both = kq._grouped_launch(x, offs, "e4m3", "rceil", True, torch.float32, False, src=src)
+    alone = kq._grouped_launch(xs, offs, "e4m3", "rceil", False, torch.float32, False)
+    assert torch.equal(u8(both["q"]), u8(rq)) and torch.equal(u8(both["s"]), u8(rs))
+    assert torch.equal(both["dq"].cpu(), alone["dq"].cpu())
 
 
 def test_t8_tiles_that_are_not_powers_of_two_fall_back(monkeypatch):

@@ -50,9 +50,10 @@ TUNING = {
     "colwise": {"tile": (32, 128), "num_warps": 2, "pack_t": False},
     "grouped": {"block_c": 128, "num_warps": 2, "pack_t": False},
     "dequant": {"tile": (32, 128), "num_warps": 4},
-    # dequantize_colwise (transposed output); sweep at bb852fe (16384 x 8192): 128 x 128
-    # 110 us against 116-121 us for 64-row tiles
-    "dequant_t": {"tile": (128, 128), "num_warps": 4},
+    # dequantize_colwise (transposed output); the sweep before bb852fe (16384 x 8192) timed
+    # 128 x 128 at 110 us against 120 us for this tile, but only this one has been checked
+    # bit for bit on the H200 (check_kernels_cuda at bb852fe)
+    "dequant_t": {"tile": (64, 64), "num_warps": 4},
     # 1: round with the float8 cast instruction (RNE, satfinite on sm89+); 2: the same
     # instruction inside PTX that also packs the codes and applies the NaN rule four at a
     # time (triton_quantize._codes_asm); 0 (the interpreter): float32-arithmetic rounding
@@ -424,8 +425,8 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         return out
     e_pow2 = triton.next_power_of_2(E + 1)
     if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
-        if src is not None:
-            x = x.index_select(0, src.to(torch.int64))
+        if src is not None:  # gather first (T already counts it); the codes below then read x as it is
+            x, src = x.index_select(0, src.to(torch.int64)), None
         cfg = _launch_settings("grouped_tok")
         block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
         tk._mx_grouped_tok_dq_kernel[(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g))](
@@ -497,7 +498,7 @@ def _dequantize_launch(q: Tensor, scale: Tensor, out_dtype: torch.dtype, transpo
     if q.device.type != "cuda" and not interpreting():
         raise ValueError("the dequantize kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     elem = tk.ELEM_E4M3 if q.dtype == torch.float8_e4m3fn else tk.ELEM_E5M2
-    rows = q.numel() // K if K else 0
+    rows = math.prod(q.shape[:-1])
     q2 = q.contiguous().view(torch.uint8).reshape(rows, K)
     s2 = scale.contiguous().view(torch.uint8).reshape(rows, K // BLOCK)
     out = torch.empty((K, rows) if transposed else (rows, K), dtype=out_dtype, device=q.device)

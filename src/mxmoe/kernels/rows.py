@@ -68,12 +68,15 @@ def zero_empty_groups_(out_ENK: Tensor, offsets_E: Tensor) -> Tensor:
     cumulative token ends on the same device.
 
     Raises:
-        ValueError: out_ENK not contiguous 3-D, or offsets not (E,)."""
+        ValueError: out_ENK not contiguous 3-D; offsets not (E,) int32/int64 on its device."""
     if not out_ENK.is_contiguous() or out_ENK.dim() != 3:
         raise ValueError(f"zero_empty_groups_ needs a contiguous 3-D tensor, got shape {tuple(out_ENK.shape)}")
     E = out_ENK.shape[0]
-    if offsets_E.shape != (E,):
-        raise ValueError(f"offsets must have shape ({E},), got {tuple(offsets_E.shape)}")
+    if offsets_E.shape != (E,) or offsets_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be an int32/int64 tensor of shape ({E},), got {offsets_E.dtype} "
+                         f"{tuple(offsets_E.shape)}")
+    if offsets_E.device != out_ENK.device:
+        raise ValueError(f"offsets are on {offsets_E.device}, the output on {out_ENK.device}")
     MN = out_ENK[0].numel() if E else 0
     if E and MN:
         _zero_empty_groups_kernel[(E, triton.cdiv(MN, CHUNK))](out_ENK, offsets_E.contiguous(), MN,
