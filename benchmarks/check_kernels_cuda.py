@@ -16,12 +16,18 @@ fused quantize-dequantize and the Blackwell scale layout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-SMOKE = "--smoke" in sys.argv  # the script's own check: CPU interpreter, small shapes
+_ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+_ARGS.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes (the script's own check)")
+_ARGS.add_argument("--tuning", metavar="FILE", default=None,
+                   help="launch settings from a benchmarks/quantize.py --out JSON result instead of the defaults")
+ARGS = _ARGS.parse_args()
+SMOKE = ARGS.smoke
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -33,13 +39,8 @@ from mxmoe.numerics import fake_quantize_mx  # noqa: E402
 from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
-_TUNING_ARGS = [a for a in sys.argv[1:] if a.startswith("--tuning")]
-if _TUNING_ARGS:  # launch settings from a quantize.py result file instead of the defaults
-    _i = sys.argv.index(_TUNING_ARGS[0])
-    _file = _TUNING_ARGS[0].partition("=")[2] or (sys.argv[_i + 1] if _i + 1 < len(sys.argv) else "")
-    if not _file:
-        sys.exit("--tuning needs a file: the JSON result of benchmarks/quantize.py --out (--tuning FILE or --tuning=FILE)")
-    _tuning = json.loads(Path(_file).read_text())["info"]["tuning"]
+if ARGS.tuning:  # launch settings from a quantize.py result file instead of the defaults
+    _tuning = json.loads(Path(ARGS.tuning).read_text())["info"]["tuning"]
     for _k, _v in _tuning.items():
         kq.TUNING[_k] = {**_v, "tile": tuple(_v["tile"])} if isinstance(_v, dict) and "tile" in _v else _v
     print("launch settings:", json.dumps(kq.TUNING), flush=True)
