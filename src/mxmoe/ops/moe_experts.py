@@ -119,8 +119,8 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
 
 def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
     """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap); on the
-    Triton path the transposed view of a contiguous (Ap, C) tensor, the wgrad GEMM's
-    fastest layout (as :func:`~mxmoe.ops.quantize.fake_quantize_grouped_tokens`)."""
+    Triton path the transposed view of a contiguous (Ap, C) tensor, the layout of the
+    other wgrad operand (:func:`~mxmoe.ops.quantize.fake_quantize_grouped_tokens`)."""
     if _triton(recipe, q.device):
         from ..kernels.quantize import dequantize_colwise
 

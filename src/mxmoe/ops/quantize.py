@@ -56,9 +56,9 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
 
     Returns:
         ``(xq_CTp, padded_offsets_E)``: (C, Tp) dequantized values, the transposed view of
-        a contiguous (Tp, C) tensor (the layout in which ``torch._grouped_mm`` runs the
-        wgrad fastest: ``benchmarks/wgrad_layout.py``), and (E,) int32 cumulative ends in
-        the padded token layout.
+        a contiguous (Tp, C) tensor (written without a transpose; ``torch._grouped_mm``
+        takes any layout at about the same speed, ``benchmarks/wgrad_layout.py``), and
+        (E,) int32 cumulative ends in the padded token layout.
     """
     if out_dtype in TRITON_DTYPES and use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size,
                                                  recipe.backend):
