@@ -424,9 +424,13 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
                 t.zero_()
         return out
     e_pow2 = triton.next_power_of_2(E + 1)
+    t8 = _launch_settings("grouped_t8")
+    block_t = t8["tile"][0] if interpreting() else t8["block_t"]
+    t8_codes = t8["enabled"] and all(_is_pow2(n) and n >= BLOCK for n in (block_t, t8["block_c"]))
+    if src is not None and (dq_dtype is not None or not t8_codes):
+        # only the t8 codes kernel fuses the gather: the others read the gathered rows (T counts them)
+        x, src = x.index_select(0, src.to(torch.int64)), None
     if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
-        if src is not None:  # gather first (T already counts it); the codes below then read x as it is
-            x, src = x.index_select(0, src.to(torch.int64)), None
         cfg = _launch_settings("grouped_tok")
         block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
         tk._mx_grouped_tok_dq_kernel[(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g))](
@@ -436,10 +440,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         )
     if not write_q:
         return out
-    t8 = _launch_settings("grouped_t8")
-    block_t = t8["tile"][0] if interpreting() else t8["block_t"]
-    if t8["enabled"] and all(_is_pow2(n) and n >= BLOCK for n in (block_t, t8["block_c"])):
-        # codes, with or without the gather
+    if t8_codes:  # codes, with or without the gather
         tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
             x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
             src if src is not None else dummy,
@@ -449,8 +450,6 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
             **_register_cap(t8),
         )
         return out
-    if src is not None:  # gather first (T already counts it), then the byte kernel
-        x = x.index_select(0, src.to(torch.int64))
     cfg = _launch_settings("grouped")
     block_c = cfg["block_c"]
     tk._mx_grouped_col_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](

@@ -928,16 +928,12 @@ def _col_words8(x0, x1, x2, x3, b0, b1, b2, b3, nf_x, e_x, ELEM: tl.constexpr, H
 
 
 @triton.jit
-def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols, c_ok, C, C128,
-                ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
-                SOFT_CASTS: tl.constexpr, FMAX: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
-                STAGED: tl.constexpr):
-    """Column-wise codes and scales of a t8 tile: b_k (4 G, BLOCK_C) as loaded (see above),
-    its 32-row blocks being blk0 .. blk0 + G - 1 of the output's row space; cols (BLOCK_C,)
-    int64 and c_ok (BLOCK_C,). Codes go to (B, C, Rp) (written as int32 words), scales to
-    (B, C, Rp / 32) (or blocked); b is the matrix index."""
-    x0, x1, x2, x3 = _widen(b0, SOFT_CASTS), _widen(b1, SOFT_CASTS), _widen(b2, SOFT_CASTS), _widen(b3, SOFT_CASTS)
-    x4, x5, x6, x7 = _widen(b4, SOFT_CASTS), _widen(b5, SOFT_CASTS), _widen(b6, SOFT_CASTS), _widen(b7, SOFT_CASTS)
+def _col_scales8(x0, x1, x2, x3, x4, x5, x6, x7, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
+                 FMAX: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Column-block scales of a t8 tile: x_k (4 G, BLOCK_C) float32 as loaded (see above) ->
+    (E8M0 bytes (G, BLOCK_C) int32, 255 for non-finite blocks; the non-finite flag and the
+    scale exponent broadcast to (4 G, BLOCK_C)). FMAX: the block amax by the float max of
+    |x| (:func:`_block_amax_bits`), else the integer max of the bit patterns."""
     if FMAX:
         m = _absmax8(x0, x1, x2, x3, x4, x5, x6, x7, HW_ROUND == 2)
         amax = _block_amax_bits(tl.reshape(m, (G, 4, BLOCK_C)), 1, HW_ROUND == 2)  # (G, BLOCK_C)
@@ -948,6 +944,49 @@ def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols,
     sb, _, nf = _scale_byte_inv(amax, ELEM, MODE)
     nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
     e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
+    return sb, nf_x, e_x
+
+
+@triton.jit
+def _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, src_ptr, pid_c, blk0,
+                   E_POW2: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SRC: tl.constexpr):
+    """The t8 read of G consecutive 32-token blocks (from blk0) of the per-expert padded
+    layout x BLOCK_C columns (from pid_c * BLOCK_C): eight tensors x_k (4 G, BLOCK_C) in x's
+    dtype, row i of x_k being token 8 (i % 4) + k of block blk0 + i // 4 (zero past its
+    expert's tokens or past C); also the columns (BLOCK_C,) int64 and their mask. HAS_SRC:
+    sorted token t is row src[t] of x."""
+    tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
+    i = tl.arange(0, 4 * G)
+    t0 = tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4)
+    t0 = t0[:, None]  # (4 G, 1): the first of each thread's 8 tokens
+    t_end = tl.reshape(tl.broadcast_to(tok_end[:, None], (G, 4)), (4 * G,))[:, None]
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    c_ok = cols < C
+    base = x_ptr + cols[None, :] * stride_xc
+    c_in = c_ok[None, :]
+    xs = (_load_token8(base, src_ptr, t0, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 1, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 2, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 3, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 4, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, HAS_SRC),
+          _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, HAS_SRC))
+    return xs, cols, c_ok
+
+
+@triton.jit
+def _colwise_t8(b0, b1, b2, b3, b4, b5, b6, b7, q_ptr, s_ptr, b, Rp, blk0, cols, c_ok, C, C128,
+                ELEM: tl.constexpr, MODE: tl.constexpr, BLOCKED: tl.constexpr, HW_ROUND: tl.constexpr,
+                SOFT_CASTS: tl.constexpr, FMAX: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
+                STAGED: tl.constexpr):
+    """Column-wise codes and scales of a t8 tile: b_k (4 G, BLOCK_C) as loaded (see above),
+    its 32-row blocks being blk0 .. blk0 + G - 1 of the output's row space; cols (BLOCK_C,)
+    int64 and c_ok (BLOCK_C,). Codes go to (B, C, Rp) (written as int32 words), scales to
+    (B, C, Rp / 32) (or blocked); b is the matrix index."""
+    x0, x1, x2, x3 = _widen(b0, SOFT_CASTS), _widen(b1, SOFT_CASTS), _widen(b2, SOFT_CASTS), _widen(b3, SOFT_CASTS)
+    x4, x5, x6, x7 = _widen(b4, SOFT_CASTS), _widen(b5, SOFT_CASTS), _widen(b6, SOFT_CASTS), _widen(b7, SOFT_CASTS)
+    sb, nf_x, e_x = _col_scales8(x0, x1, x2, x3, x4, x5, x6, x7, ELEM, MODE, HW_ROUND, FMAX, G, BLOCK_C)
     lo = _col_words8(x0, x1, x2, x3, b0, b1, b2, b3, nf_x, e_x, ELEM, HW_ROUND)
     hi = _col_words8(x4, x5, x6, x7, b4, b5, b6, b7, nf_x, e_x, ELEM, HW_ROUND)
     q32 = q_ptr.to(tl.pointer_type(tl.int32)) + b * C * (Rp // 4)
@@ -1075,26 +1114,10 @@ def _mx_grouped_col_t8_kernel(
     a 32-row block of ``_mx_tile_t8_kernel``, its rows being its expert's tokens. HAS_SRC:
     the token permute fused into the read (T then counts sorted rows)."""
     G: tl.constexpr = BLOCK_T // 32
-    pid_c = tl.program_id(0)
     blk0 = tl.program_id(1) * G
-    tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
-    i = tl.arange(0, 4 * G)
-    t0 = tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4)
-    t0 = t0[:, None]  # (4 G, 1): the first of each thread's 8 tokens
-    t_end = tl.reshape(tl.broadcast_to(tok_end[:, None], (G, 4)), (4 * G,))[:, None]
-    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    c_ok = cols < C
-    base = x_ptr + cols[None, :] * stride_xc
-    c_in = c_ok[None, :]
-    x0 = _load_token8(base, src_ptr, t0, t_end, c_in, stride_xt, HAS_SRC)
-    x1 = _load_token8(base, src_ptr, t0 + 1, t_end, c_in, stride_xt, HAS_SRC)
-    x2 = _load_token8(base, src_ptr, t0 + 2, t_end, c_in, stride_xt, HAS_SRC)
-    x3 = _load_token8(base, src_ptr, t0 + 3, t_end, c_in, stride_xt, HAS_SRC)
-    x4 = _load_token8(base, src_ptr, t0 + 4, t_end, c_in, stride_xt, HAS_SRC)
-    x5 = _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, HAS_SRC)
-    x6 = _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, HAS_SRC)
-    x7 = _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, HAS_SRC)
-    _colwise_t8(x0, x1, x2, x3, x4, x5, x6, x7, q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
+    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, src_ptr,
+                                    tl.program_id(0), blk0, E_POW2, G, BLOCK_C, HAS_SRC)
+    _colwise_t8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
 
 
@@ -1114,32 +1137,16 @@ def _mx_grouped_tok_dq_kernel(
     so a column block reduces in registers plus two shuffles; each x_k is written back to
     its own rows, reads and writes both coalesced along C."""
     G: tl.constexpr = BLOCK_G
-    pid_c = tl.program_id(0)
     blk0 = tl.program_id(1) * G
-    tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
     i = tl.arange(0, 4 * G)
-    t0 = (tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4))[:, None]
-    t_end = tl.reshape(tl.broadcast_to(tok_end[:, None], (G, 4)), (4 * G,))[:, None]
     p0 = ((blk0 + i // 4).to(tl.int64) * 32 + 8 * (i % 4))[:, None]  # output row of x_0's rows
-    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    c_ok = cols < C
-    base = x_ptr + cols[None, :] * stride_xc
+    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, x_ptr,
+                                    tl.program_id(0), blk0, E_POW2, G, BLOCK_C, False)
+    _, nf_x, e_x = _col_scales8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
+                                _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
+                                _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), ELEM, MODE, HW_ROUND, True,
+                                G, BLOCK_C)
     c_in = c_ok[None, :]
-    xs = (_load_token8(base, x_ptr, t0, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 1, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 2, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 3, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 4, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 5, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 6, t_end, c_in, stride_xt, False),
-          _load_token8(base, x_ptr, t0 + 7, t_end, c_in, stride_xt, False))
-    m = _absmax8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
-                 _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
-                 _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), HW_ROUND == 2)
-    amax = _block_amax_bits(tl.reshape(m, (G, 4, BLOCK_C)), 1, HW_ROUND == 2)  # (G, BLOCK_C)
-    sb, _, nf = _scale_byte_inv(amax, ELEM, MODE)
-    nf_x = tl.reshape(tl.broadcast_to(nf[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
-    e_x = tl.reshape(tl.broadcast_to(tl.where(nf, 0, sb - 127)[:, None, :], (G, 4, BLOCK_C)), (4 * G, BLOCK_C))
     out_ok = (p0 < Tp) & c_in
     for k in tl.static_range(8):
         r, _ = _quantize_values(_widen(xs[k], SOFT_CASTS), e_x, nf_x, ELEM, HW_ROUND, False)
