@@ -73,14 +73,9 @@ def bench(fn, smoke: bool, graph: bool | None = None) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    from triton.testing import do_bench, do_bench_cudagraph
+    from quantize import bench as device_bench  # benchmarks/quantize.py: the same timing
 
-    if GRAPH["on"] if graph is None else graph:
-        try:
-            return do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3
-        except Exception as e:  # noqa: BLE001 - not capturable: eager timing
-            print(f"(graph timing failed: {type(e).__name__}; eager)")
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return device_bench(fn, rep=100, warmup=25, graph=GRAPH["on"] if graph is None else graph)
 
 
 def torchao_times(T: int, K: int, N: int, E: int, skewed: bool) -> dict:

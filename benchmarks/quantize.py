@@ -44,16 +44,17 @@ TARGETS = {"rowwise": 0.90, "rowcol": 0.85, "3d rowcol": 0.85, "grouped colwise"
 GRAPH = {"on": True}  # time kernels by CUDA-graph replay (no host launch overhead in the figure)
 
 
-def bench(fn) -> float:
-    """Median seconds of the device work: replayed from a CUDA graph when ``GRAPH["on"]``
-    (the op's Python/dispatcher overhead, 20-100 us, would otherwise hide the kernel time
-    at the smaller shape whenever the host is slower than the GPU), else eager launches."""
-    if GRAPH["on"]:
+def bench(fn, rep: int = 200, warmup: int = 50, graph: bool | None = None) -> float:
+    """Median seconds of the device work: replayed from a CUDA graph when ``graph`` (default
+    ``GRAPH["on"]``; the op's Python/dispatcher overhead, 20-200 us, would otherwise hide
+    the kernel time at the smaller shapes whenever the host is slower than the GPU), else
+    eager launches (also when ``fn`` cannot be captured). rep, warmup: milliseconds."""
+    if GRAPH["on"] if graph is None else graph:
         try:
-            return do_bench_cudagraph(fn, rep=200, return_mode="median") / 1e3
+            return do_bench_cudagraph(fn, rep=rep, return_mode="median") / 1e3
         except Exception as e:  # noqa: BLE001 - not capturable: fall back to eager timing
             print(f"(graph timing failed: {type(e).__name__}; eager)")
-    return do_bench(fn, warmup=50, rep=200, return_mode="median") / 1e3
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") / 1e3
 
 
 def bench_eager(fn) -> float:
