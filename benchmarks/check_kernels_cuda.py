@@ -86,8 +86,55 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan], b[~nan])
 
 
+def rowcol_refs(x: torch.Tensor, fmt: str, mode: str):
+    """Reference row-wise and transposed column-wise codes and scales of x (B, R, C)."""
+    rr = quantize_mx(x, fmt, dim=2, scale_mode=mode, backend="reference")
+    rc = quantize_mx(x, fmt, dim=1, scale_mode=mode, backend="reference")
+    return rr.qdata, rr.scale, rc.qdata.transpose(1, 2), rc.scale.transpose(1, 2)
+
+
+def check_rowcol_layouts() -> None:
+    """Row + column codes at tile edges and odd layouts: partial row and column tiles,
+    a row stride wider than the row, every other expert of a 3-D stack, a start not 16-byte
+    aligned (the CUDA kernel declines it: Triton), all three through ``quantize_rowcol``
+    (the CUDA kernel for bfloat16 where it applies); and the kernel inside a CUDA graph."""
+    from mxmoe.kernels import cuda_quantize
+
+    cfg = kq.TUNING["rowcol_cuda"]
+    for fmt, mode in (("e4m3", "rceil"), ("e5m2", "floor"), ("e4m3", "floor"), ("e5m2", "rceil")):
+        for dtype in (torch.bfloat16, torch.float32):
+            cases = {
+                "(32, 64)": hard(32, 64, seed=1, dtype=dtype)[None],
+                "(160, 2880)": hard(160, 2880, seed=2, dtype=dtype)[None],
+                "(992, 96)": hard(992, 96, seed=3, dtype=dtype)[None],
+                "(3, 224, 320)": torch.stack([hard(224, 320, seed=4 + e, dtype=dtype) for e in range(3)]),
+                "row stride 2944 > 2880": hard(96, 2944, seed=8, dtype=dtype)[None, :, :2880],
+                "experts ::2 of (6, 64, 128)": torch.stack([hard(64, 128, seed=9 + e, dtype=dtype)
+                                                            for e in range(6)])[::2],
+                "start not 16-byte aligned": hard(64, 136, seed=20, dtype=dtype)[None, :, 8:][..., :96]
+                if dtype == torch.float32 else hard(64, 136, seed=20, dtype=dtype)[None, :, 1:97],
+            }
+            for name, x in cases.items():
+                took = not SMOKE and cuda_quantize.applies(x, fmt, mode, cfg)
+                got = kq.quantize_rowcol(x, fmt, mode)
+                want = rowcol_refs(x, fmt, mode)
+                check(f"rowcol layout {name} {fmt} {mode} {str(dtype)[6:]} ({'cuda' if took else 'triton'})",
+                      all(same(a, b) for a, b in zip(got, want)))
+    if SMOKE:
+        return
+    x = hard(4096, 2880, seed=30, dtype=torch.bfloat16)
+    want = kq.quantize_rowcol(x)  # compiles the kernel outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = kq.quantize_rowcol(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    check("rowcol in a CUDA graph (replayed)", all(same(a, b) for a, b in zip(got, want)))
+
+
 def main() -> int:
     print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__}")
+    check_rowcol_layouts()
     for fmt in ("e4m3", "e5m2"):
         for mode in ("rceil", "floor"):
             for dtype in (torch.bfloat16, torch.float32):

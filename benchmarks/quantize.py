@@ -123,14 +123,15 @@ def _pick(kind: str, options: list[dict], run) -> dict:
     return best
 
 
-SWEEP_ONLY = ["t8", "grouped_tok", "dequant_t"]
+SWEEP_ONLY = ["t8", "grouped_tok", "dequant_t", "rowcol_cuda"]
 
 
 def sweep(only: set | None = None) -> dict:
     """Time launch settings at (16384, 8192) bf16; keep the fastest per kernel. ``only``: a
     set of SWEEP_ONLY names to sweep alone ("t8": the t8 tile kernel, row + column then
     column-only codes, each its own settings; "grouped_tok": the dequantized grouped wgrad
-    operand; "dequant_t": dequantize_colwise)."""
+    operand; "dequant_t": dequantize_colwise; "rowcol_cuda": the CUDA row + column kernel
+    (the t8 sweep turns it off while it runs, so that row + column takes t8)."""
     x = torch.randn(16384, 8192, device=DEV, dtype=torch.bfloat16)
     offsets = torch.tensor(uneven_sizes(16384, N_EXPERTS, 0), device=DEV).cumsum(0).to(torch.int32)
     best = {}
@@ -146,6 +147,14 @@ def sweep(only: set | None = None) -> dict:
                                                 for w in (4, 8)],
                                   lambda: kq.dequantize_colwise(qc, sc, torch.bfloat16))
         del qc, sc
+    if only is None or "rowcol_cuda" in only:
+        # (threads, rb, gb, scratch): each thread one or two tasks per pass
+        best["rowcol_cuda"] = _pick("rowcol_cuda", [
+            {"enabled": True, "threads": n, "rb": rb, "gb": gb, "scratch": sc}
+            for n, rb, gb, sc in ((128, 4, 2, True), (128, 4, 2, False), (128, 4, 4, True), (128, 2, 1, True),
+                                  (256, 2, 1, True), (256, 2, 1, False))]
+            + [{"enabled": False, "threads": 128, "rb": 4, "gb": 2, "scratch": True}],
+            lambda: kq.quantize_rowcol(x))
     if only is not None and "t8" not in only:
         print("tuning:", json.dumps(kq.TUNING))
         return best
@@ -162,6 +171,8 @@ def sweep(only: set | None = None) -> dict:
     # 167.8-202 us against 168-170, so that kernel option was removed)
     # (session 4, benchmarks/quantize_variants.py: prefetch of the tile 1-2 row tiles below
     # helps, most at 128 x 128 uncapped (two programs per multiprocessor); 4+ hurts)
+    cuda_cfg = dict(kq.TUNING["rowcol_cuda"])
+    kq.TUNING["rowcol_cuda"] = {**cuda_cfg, "enabled": False}
     best["t8"] = _pick("t8", [{"tile": t, "num_warps": t[0] // 32, "enabled": True, "staged": True, "maxnreg": m,
                                "fmax": True, "prefetch": p} for t, m in (((128, 64), 128), ((128, 128), None))
                               for p in (0, 1, 2)]
@@ -174,6 +185,7 @@ def sweep(only: set | None = None) -> dict:
                                               for t in ((128, 64), (256, 64)) for p in (0, 1, 2)],
                                lambda: kq.quantize_colwise(x))
     if only is not None:
+        kq.TUNING["rowcol_cuda"] = cuda_cfg
         print("tuning:", json.dumps(kq.TUNING))
         return best
     t8_best = dict(kq.TUNING["t8"])
@@ -182,6 +194,7 @@ def sweep(only: set | None = None) -> dict:
                               for t in ((64, 64), (128, 64)) for w in (4, 8)] + [{"tile": (64, 128), "num_warps": 4, "enabled": False}],
                        lambda: kq.quantize_rowcol(x))
     kq.TUNING["t8"] = t8_best
+    kq.TUNING["rowcol_cuda"] = cuda_cfg
     best["grouped_t8"] = _pick("grouped_t8", [{"block_t": t, "block_c": c, "num_warps": t // 32, "enabled": True,
                                                "staged": st, "fmax": f}
                                               for f in (True, False)

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..numerics.formats import ElemFormat, ScaleMode
 from ..numerics.grouped import padded_group_layout
 from ..numerics.layout import blocked_scales_numel
+from . import cuda_quantize
 from . import triton_quantize as tk
 
 FP8_FORMATS = {"e4m3": (tk.ELEM_E4M3, torch.float8_e4m3fn), "e5m2": (tk.ELEM_E5M2, torch.float8_e5m2)}
@@ -85,6 +86,11 @@ TUNING = {
     # (sweep at bb852fe, 16384 x 8192, 64 experts: 149 us = 93% of copy at 8 x 64, 8 warps,
     # and 2 x 64, 2 warps; 128 columns 191-224 us; one warp per 32-row block or slower)
     "grouped_tok": {"block_g": 8, "block_c": 64, "num_warps": 8},
+    # bfloat16 row + column codes (plain scales) through the CUDA kernel
+    # (kernels/cuda_rowcol.cu, compiled by NVRTC) where it applies (cuda_quantize.applies):
+    # threads per block, 32-column blocks per row-pass task (rb), 32-row blocks per
+    # column-pass task (gb), scales through a tile-major scratch array (scratch)
+    "rowcol_cuda": {"enabled": True, "threads": 256, "rb": 2, "gb": 1, "scratch": True},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
 _TILE_INTERPRETER = (64, 256)
@@ -171,6 +177,13 @@ def launch_tile(
     Rp = _check_blocked_dim(R, "the column length (blocked dim of the column-wise copy)", pad) if colwise else R
     if blocked and colwise and not col_transpose:
         raise ValueError("blocked scales are written for row-wise and transposed column-wise copies only")
+    if (rowwise and colwise and col_transpose and write_q and dq_dtype is None and not blocked
+            and not interpreting()):  # bfloat16 row + column codes: the CUDA kernel where it applies
+        fmt_s, mode_s = ElemFormat.parse(fmt).value, ScaleMode.parse(mode).value
+        cfg = TUNING["rowcol_cuda"]
+        res = cuda_quantize.rowcol(x3, fmt_s, mode_s, cfg) if cuda_quantize.applies(x3, fmt_s, mode_s, cfg) else None
+        if res is not None:
+            return {k: v.view(q_dtype if k.startswith("q") else torch.float8_e8m0fnu) for k, v in res.items()}
     dev = x3.device
     out: dict[str, Tensor] = {}
     u8 = torch.uint8
