@@ -10,14 +10,18 @@ listed at the top of the ``.cu`` file). Each 128 x 128 tile goes to shared memor
 scratch array and the small second kernel ``mx_scales_out``) leaves as whole 128-byte
 lines; the source explains the layout and what was measured.
 
-On the H200 (benchmarks/results/h200_cuda_rowcol/): 85.9-86.2% of copy at 16384 x 8192,
-84.2-85.0% at 131072 x 7168, 89.1-89.7% for the (64, 2048, 7168) expert weights, against
-79-82% and 84% for the Triton t8 kernel.
+On the H200 (benchmarks/results/h200_cuda_rowcol/, five runs): 85.8-86.2% of copy at
+16384 x 8192, 83.8-85.0% at 131072 x 7168, 88.3-89.7% for the (64, 2048, 7168) expert
+weights, against 79-82% and 84% for the Triton t8 kernel.
 
-It is compiled with ``torch.cuda._compile_kernel`` (NVRTC, shipped with PyTorch's CUDA
-builds; no compiler needed at install time; a private PyTorch function, present in 2.11
-and 2.13) once per (element format, scale mode, launch settings) and cached for the
-process. :func:`mxmoe.kernels.quantize.launch_tile` uses it only where it applies
+It is compiled with ``torch.cuda._compile_kernel`` (NVRTC, whose library ships with
+PyTorch's CUDA builds; a private PyTorch function, present in 2.11 and 2.13) once per
+(element format, scale mode, launch settings) and cached for the process. Nothing is
+built at install time, but torch's NVRTC wrapper adds a CUDA toolkit's include path to
+every compile (``torch.utils.cpp_extension.include_paths("cuda")``, which needs
+``CUDA_HOME``, ``nvcc`` on the PATH or ``/usr/local/cuda``), although this source includes
+no header: without a toolkit the compile fails, a warning says so once, and the Triton
+kernels run (same bytes, ~80% of copy). :func:`mxmoe.kernels.quantize.launch_tile` uses it only where it applies
 (:func:`applies`: bfloat16 codes-only row + column jobs on sm90+, plain scales); all other
 jobs, and any setup where the compile step fails (a warning says why, once), take the
 Triton kernels, which give the same bytes.
@@ -90,7 +94,9 @@ def _compiled(fmt: str, mode: str, cfg: dict, device_index: int):
         except Exception as err:  # NVRTC missing or refusing: the Triton kernels give the same bytes
             _FAILED[key] = f"{type(err).__name__}: {err}"
             warnings.warn(f"mxmoe: the CUDA row + column quantizer could not be compiled for {key} "
-                          f"({_FAILED[key]}); using the Triton kernels instead", RuntimeWarning, stacklevel=4)
+                          f"({_FAILED[key]}); using the Triton kernels instead (same bytes, slower). torch's NVRTC "
+                          f"wrapper needs a CUDA toolkit (CUDA_HOME, nvcc on the PATH or /usr/local/cuda) for its "
+                          f"include path", RuntimeWarning, stacklevel=4)
             return None
         _KERNELS[key] = (main, scales)
     return _KERNELS[key]
