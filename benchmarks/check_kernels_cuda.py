@@ -1,4 +1,4 @@
-"""Bit-exactness of the Triton quantization kernels on the GPU, at large shapes.
+"""Bit-exactness of the Triton and CUDA quantization kernels on the GPU, at large shapes.
 
 The CPU tests (tests/test_kernels_quantize.py) run the kernels in the Triton interpreter
 at small shapes; this script compiles them for the GPU and compares every output byte

@@ -10,9 +10,11 @@ listed at the top of the ``.cu`` file). Each 128 x 128 tile goes to shared memor
 scratch array and the small second kernel ``mx_scales_out``) leaves as whole 128-byte
 lines; the source explains the layout and what was measured.
 
-On the H200 (benchmarks/results/h200_cuda_rowcol/, five runs): 85.8-86.2% of copy at
-16384 x 8192, 83.8-85.0% at 131072 x 7168, 88.3-89.7% for the (64, 2048, 7168) expert
-weights, against 79-82% and 84% for the Triton t8 kernel.
+On the H200 (benchmarks/results/h200_cuda_rowcol/, six runs): 85.6-86.2% of copy at
+16384 x 8192, 83.8-85.0% at 131072 x 7168, 88.3-89.2% for the (64, 2048, 7168) expert
+weights, against 80.9-82.5%, 78.5-79.0% and 83.5-84.6% for the Triton t8 kernel. The
+training recipe does not call it: its passes are quantize-dequantize (Triton); this
+serves the codes-only op ``quantize_rowcol``.
 
 It is compiled with ``torch.cuda._compile_kernel`` (NVRTC, whose library ships with
 PyTorch's CUDA builds; a private PyTorch function, present in 2.11 and 2.13) once per
