@@ -43,7 +43,7 @@ def test_not_taken_for_cpu_tensors_or_when_disabled():
 
 
 def test_shared_memory_fits_sm90():
-    assert cq.smem_bytes(CFG) <= 227 * 1024
+    assert cq.SMEM_BYTES <= 227 * 1024
 
 
 def test_rowcol_on_cpu_takes_triton_with_the_reference_bytes(monkeypatch):

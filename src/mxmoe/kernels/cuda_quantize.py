@@ -52,10 +52,10 @@ _FAILED: dict[tuple, str] = {}  # settings whose compile step failed, and why (t
 TILE = 128  # rows and columns of a tile (fixed in cuda_rowcol.cu)
 
 
-def smem_bytes(cfg: dict) -> int:
-    """Dynamic shared memory per block: the bfloat16 tile, its row and column codes (one
-    byte per element each) and their scale bytes (4 per row and per column)."""
-    return TILE * TILE * 4 + 2 * TILE * 4
+# dynamic shared memory per block of mx_rowcol_bf16 (every setting): the bfloat16 tile, its
+# row and column codes (one byte per element each) and their scale bytes (4 per row and
+# per column)
+SMEM_BYTES = TILE * TILE * 4 + 2 * TILE * 4
 
 
 def _settings_ok(cfg: dict) -> bool:
@@ -91,7 +91,7 @@ def _compiled(fmt: str, mode: str, cfg: dict, device_index: int):
             with torch.cuda.device(device_index):
                 text = source(fmt, mode, cfg)
                 main = torch.cuda._compile_kernel(text, "mx_rowcol_bf16", compute_capability=f"{major}{minor}")
-                main.set_shared_memory_config(smem_bytes(cfg))  # opt-in above 48 KB
+                main.set_shared_memory_config(SMEM_BYTES)  # opt-in above 48 KB
                 scales = torch.cuda._compile_kernel(text, "mx_scales_out", compute_capability=f"{major}{minor}")
         except Exception as err:  # NVRTC missing or refusing: the Triton kernels give the same bytes
             _FAILED[key] = f"{type(err).__name__}: {err}"
@@ -159,7 +159,7 @@ def rowcol(x3: Tensor, fmt: str, mode: str, cfg: dict) -> dict[str, Tensor] | No
         main(grid=(ntx, nty, B), block=(cfg["threads"], 1, 1),
              args=[x3, x3.stride(0) if B > 1 else 0, x3.stride(1), R, C, B, out["q_row"], s_dst[0], out["q_col"],
                    s_dst[1]],
-             shared_mem=smem_bytes(cfg), stream=stream)
+             shared_mem=SMEM_BYTES, stream=stream)
         if cfg.get("scratch"):
             jobs = nty * -(-ntx // 32) + ntx * -(-nty // 32)
             scales(grid=(jobs, 1, B), block=(128, 1, 1), args=[scr_r, scr_c, R, C, out["s_row"], out["s_col"]],

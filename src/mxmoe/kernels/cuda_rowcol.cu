@@ -77,11 +77,12 @@ __device__ __forceinline__ u32 absmax2(u32 m, u32 w) {
 __device__ __forceinline__ float lo_f(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_f(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
-// four codes, a in the low byte
-__device__ __forceinline__ u32 cvt4(float a, float b, float c, float d) {
+// the codes of a * inv, b * inv, c * inv, d * inv (inv = 2^-e, exact), a's in the low byte
+__device__ __forceinline__ u32 cvt4(float a, float b, float c, float d, float inv) {
+    const float ya = __fmul_rn(a, inv), yb = __fmul_rn(b, inv), yc = __fmul_rn(c, inv), yd = __fmul_rn(d, inv);
     u16 h0, h1;
-    asm(CVT " %0, %1, %2;" : "=h"(h0) : "f"(b), "f"(a));
-    asm(CVT " %0, %1, %2;" : "=h"(h1) : "f"(d), "f"(c));
+    asm(CVT " %0, %1, %2;" : "=h"(h0) : "f"(yb), "f"(ya));
+    asm(CVT " %0, %1, %2;" : "=h"(h1) : "f"(yd), "f"(yc));
     return (u32)h0 | ((u32)h1 << 16);
 }
 
@@ -101,6 +102,12 @@ __device__ __forceinline__ u32 scale_of(u32 amax16, float* inv, bool* nf) {
 }
 
 __device__ __forceinline__ u32 nan_word(u32 signs) { return (signs & 0x80808080u) | 0x7F7F7F7Fu; }
+
+// the NaN-rule word of four rows of one column of a column pair: byte `sel` of each of
+// v[0..3] (0x0051: the even column's sign bytes, 0x0073: the odd column's)
+__device__ __forceinline__ u32 col_nan_word(const u32* v, int sel) {
+    return nan_word(__byte_perm(__byte_perm(v[0], v[1], sel), __byte_perm(v[2], v[3], sel), 0x5410));
+}
 
 __device__ __forceinline__ void st16(u8* p, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -166,8 +173,7 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
             u32 q[8];
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                q[j] = cvt4(__fmul_rn(lo_f(w[2 * j]), inv), __fmul_rn(hi_f(w[2 * j]), inv),
-                            __fmul_rn(lo_f(w[2 * j + 1]), inv), __fmul_rn(hi_f(w[2 * j + 1]), inv));
+                q[j] = cvt4(lo_f(w[2 * j]), hi_f(w[2 * j]), lo_f(w[2 * j + 1]), hi_f(w[2 * j + 1]), inv);
             if (nf) {
 #pragma unroll
                 for (int j = 0; j < 8; j++) q[j] = nan_word(__byte_perm(w[2 * j], w[2 * j + 1], 0x7531));
@@ -199,22 +205,16 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
             u32 lo[8], hi[8];
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                lo[j] = cvt4(__fmul_rn(lo_f(v[4 * j]), inv_lo), __fmul_rn(lo_f(v[4 * j + 1]), inv_lo),
-                             __fmul_rn(lo_f(v[4 * j + 2]), inv_lo), __fmul_rn(lo_f(v[4 * j + 3]), inv_lo));
-                hi[j] = cvt4(__fmul_rn(hi_f(v[4 * j]), inv_hi), __fmul_rn(hi_f(v[4 * j + 1]), inv_hi),
-                             __fmul_rn(hi_f(v[4 * j + 2]), inv_hi), __fmul_rn(hi_f(v[4 * j + 3]), inv_hi));
+                lo[j] = cvt4(lo_f(v[4 * j]), lo_f(v[4 * j + 1]), lo_f(v[4 * j + 2]), lo_f(v[4 * j + 3]), inv_lo);
+                hi[j] = cvt4(hi_f(v[4 * j]), hi_f(v[4 * j + 1]), hi_f(v[4 * j + 2]), hi_f(v[4 * j + 3]), inv_hi);
             }
             if (nf_lo) {
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    lo[j] = nan_word(__byte_perm(__byte_perm(v[4 * j], v[4 * j + 1], 0x0051),
-                                                 __byte_perm(v[4 * j + 2], v[4 * j + 3], 0x0051), 0x5410));
+                for (int j = 0; j < 8; j++) lo[j] = col_nan_word(v + 4 * j, 0x0051);
             }
             if (nf_hi) {
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    hi[j] = nan_word(__byte_perm(__byte_perm(v[4 * j], v[4 * j + 1], 0x0073),
-                                                 __byte_perm(v[4 * j + 2], v[4 * j + 3], 0x0073), 0x5410));
+                for (int j = 0; j < 8; j++) hi[j] = col_nan_word(v + 4 * j, 0x0073);
             }
             put16(out_c + 2 * p * TR, p, 2 * g, lo);
             put16(out_c + 2 * p * TR, p, 2 * g + 1, lo + 4);
