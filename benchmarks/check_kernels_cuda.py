@@ -26,6 +26,9 @@ _ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _ARGS.add_argument("--smoke", action="store_true", help="CPU interpreter, small shapes (the script's own check)")
 _ARGS.add_argument("--tuning", metavar="FILE", default=None,
                    help="launch settings from a benchmarks/quantize.py --out JSON result instead of the defaults")
+_ARGS.add_argument("--rowcol-cfg", metavar="JSON", action="append", default=None,
+                   help="only the row + column layout checks, once per CUDA kernel setting given (repeatable), "
+                        "e.g. '{\"threads\": 256, \"rb\": 2, \"gb\": 1, \"scratch\": \"fused\", \"cj\": 8}'")
 ARGS = _ARGS.parse_args()
 SMOKE = ARGS.smoke
 if SMOKE:
@@ -114,6 +117,8 @@ def check_rowcol_layouts() -> None:
                 "start not 16-byte aligned": hard(64, 136, seed=20, dtype=dtype)[None, :, 8:][..., :96]
                 if dtype == torch.float32 else hard(64, 136, seed=20, dtype=dtype)[None, :, 1:97],
             }
+            if dtype == torch.bfloat16 and not SMOKE:  # 33 x 33 tiles, partial last ones: scale jobs of 1 tile
+                cases["(2, 4160, 4192)"] = torch.stack([hard(4160, 4192, seed=40 + e, dtype=dtype) for e in range(2)])
             for name, x in cases.items():
                 took = not SMOKE and cuda_quantize.applies(x, fmt, mode, cfg)
                 got = kq.quantize_rowcol(x, fmt, mode)
@@ -134,6 +139,15 @@ def check_rowcol_layouts() -> None:
 
 def main() -> int:
     print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__}")
+    if ARGS.rowcol_cfg:
+        default = dict(kq.TUNING["rowcol_cuda"])
+        for text in ARGS.rowcol_cfg:
+            kq.TUNING["rowcol_cuda"] = {"enabled": True, **json.loads(text)}
+            print("rowcol_cuda settings:", json.dumps(kq.TUNING["rowcol_cuda"]), flush=True)
+            check_rowcol_layouts()
+        kq.TUNING["rowcol_cuda"] = default
+        print(f"{len(failures)} failures")
+        return 1 if failures else 0
     check_rowcol_layouts()
     for fmt in ("e4m3", "e5m2"):
         for mode in ("rceil", "floor"):

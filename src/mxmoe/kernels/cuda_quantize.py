@@ -62,14 +62,20 @@ def _settings_ok(cfg: dict) -> bool:
     """cfg: ``threads`` per block (128 or 256), ``rb`` 32-column blocks per row-pass task
     and ``gb`` 32-row blocks per column-pass task (1, 2 or 4 each), ``scratch`` (the scales
     through a tile-major scratch array and a second pass); see cuda_rowcol.cu."""
-    return cfg.get("threads") in (128, 256) and cfg.get("rb") in (1, 2, 4) and cfg.get("gb") in (1, 2, 4)
+    return (cfg.get("threads") in (128, 256) and cfg.get("rb") in (1, 2, 4) and cfg.get("gb") in (1, 2, 4)
+            and cfg.get("scratch", False) in (False, True) and cfg.get("col_policy", 0) in range(4) and cfg.get("cj", 32) in (8, 16, 32) and cfg.get("scale_threads", 128) in (128, 256, 512)
+            and cfg.get("scale_min_blocks", 1) in range(1, 17))
+
+
+def _macros(fmt: str, mode: str, cfg: dict) -> tuple:
+    return (("NT", cfg["threads"]), ("RB", cfg["rb"]), ("GB", cfg["gb"]), ("ELEM", _ELEM[fmt]),
+            ("MODE", _MODE[mode]), ("SCRATCH", int(bool(cfg.get("scratch")))), ("CPOL", cfg.get("col_policy", 0)), ("CJ", cfg.get("cj", 32)), ("SNT", cfg.get("scale_threads", 128)),
+            ("SMINB", cfg.get("scale_min_blocks", 1)))
 
 
 def source(fmt: str, mode: str, cfg: dict) -> str:
     """The kernel source with its compile-time settings prepended (``#define`` lines)."""
-    head = (f"#define NT {cfg['threads']}\n#define RB {cfg['rb']}\n#define GB {cfg['gb']}\n"
-            f"#define ELEM {_ELEM[fmt]}\n#define MODE {_MODE[mode]}\n#define SCRATCH {int(bool(cfg.get('scratch')))}\n")
-    return head + _SOURCE_PATH.read_text()
+    return "".join(f"#define {k} {v}\n" for k, v in _macros(fmt, mode, cfg)) + _SOURCE_PATH.read_text()
 
 
 _KERNELS: dict[tuple, tuple] = {}
@@ -80,7 +86,7 @@ def _compiled(fmt: str, mode: str, cfg: dict, device_index: int):
     use; None while a CUDA graph is being captured and they are not compiled yet (loading a
     module is not a stream operation a graph can hold), or if compiling failed (warned
     once per settings)."""
-    key = (fmt, mode, cfg["threads"], cfg["rb"], cfg["gb"], bool(cfg.get("scratch")), device_index)
+    key = (_macros(fmt, mode, cfg), device_index)
     if key in _FAILED:
         return None
     if key not in _KERNELS:
@@ -149,8 +155,10 @@ def rowcol(x3: Tensor, fmt: str, mode: str, cfg: dict) -> dict[str, Tensor] | No
         return out
     nty, ntx = -(-R // TILE), -(-C // TILE)
     stream = torch.cuda.current_stream(dev)
+    scratch = bool(cfg.get("scratch"))
+    jobs = nty * -(-ntx // 32) + ntx * -(-nty // cfg.get("cj", 32))  # scale jobs per matrix
     with torch.cuda.device(dev):
-        if cfg.get("scratch"):
+        if scratch:
             scr_r = torch.empty(B * nty * ntx * TILE * 4, dtype=u8, device=dev)
             scr_c = torch.empty_like(scr_r)
             s_dst = (scr_r, scr_c)
@@ -160,8 +168,7 @@ def rowcol(x3: Tensor, fmt: str, mode: str, cfg: dict) -> dict[str, Tensor] | No
              args=[x3, x3.stride(0) if B > 1 else 0, x3.stride(1), R, C, B, out["q_row"], s_dst[0], out["q_col"],
                    s_dst[1]],
              shared_mem=SMEM_BYTES, stream=stream)
-        if cfg.get("scratch"):
-            jobs = nty * -(-ntx // 32) + ntx * -(-nty // 32)
-            scales(grid=(jobs, 1, B), block=(128, 1, 1), args=[scr_r, scr_c, R, C, out["s_row"], out["s_col"]],
-                   stream=stream)
+        if scratch:
+            scales(grid=(jobs, 1, B), block=(cfg.get("scale_threads", 128), 1, 1),
+                   args=[scr_r, scr_c, R, C, out["s_row"], out["s_col"]], stream=stream)
     return out

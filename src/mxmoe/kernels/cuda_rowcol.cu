@@ -47,6 +47,20 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
+#ifndef CPOL   // L2 policy of the column code stores: 0 none, 1 evict_first, 2 evict_last,
+#define CPOL 0 // 3 evict_last on half of them (createpolicy.fractional 0.5)
+#endif
+#ifndef CJ        // tiles along R per column-scale job (SCRATCH 1 and 2); 32: whole lines
+#define CJ 32
+#endif
+
+#ifndef SNT      // threads per block of mx_scales_out (128, 256 or 512) and its
+#define SNT 128  // __launch_bounds__ minimum of resident blocks per SM
+#endif
+#ifndef SMINB
+#define SMINB 1
+#endif
+
 #define TR 128  // tile rows
 #define TC 128  // tile columns
 #define W (TC / 2)  // 32-bit words per tile row
@@ -113,6 +127,59 @@ __device__ __forceinline__ void st16(u8* p, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
+template <int P>
+__device__ __forceinline__ unsigned long long l2_policy() {
+    unsigned long long pol = 0;
+    if (P == 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    if (P == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    if (P == 3) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 0.5;" : "=l"(pol));
+    return pol;
+}
+
+template <int P>
+__device__ __forceinline__ void st16p(u8* p, u32 a, u32 b, u32 c, u32 d, unsigned long long pol) {
+    if (P == 0) asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+    else asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;"
+                      :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d), "l"(pol) : "memory");
+}
+
+// one scale job: the 4-byte runs of nt (<= 32) consecutive tiles of one row of tiles
+// (rows_job: tile row a, tiles b0 .. along C) or of one column of tiles (tile column a,
+// tiles b0 .. along R), from the tile-major scratch src (B, nty, ntx, 128) words, gathered
+// in buf (128 x 33 words of shared memory) and written as runs of 4 * nt bytes to 128 rows
+// of s_row (B, R, C / 32) or columns of s_col (B, C, R / 32). NTHR threads (128, 256 or
+// 512): thread tid loads word tid % 128 of every (NTHR / 128)-th tile, all loads in flight
+// before the first use.
+template <int NTHR>
+__device__ __forceinline__ void scales_job(
+    const u32* __restrict__ src, bool rows_job, int a, int b0, int nt, int nty, int ntx, int bz, int R, int C,
+    u8* __restrict__ s_row, u8* __restrict__ s_col, u32* buf, int tid)
+{
+    constexpr int G = NTHR / 128, PER = 32 / G;
+    const int w = tid % 128, grp = tid / 128;
+    // the job's tiles are consecutive in src: row scales tile-row-major, column scales
+    // tile-column-major (16 KB read in one run)
+    const u32* first = src + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;
+    u32 v[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+        if (grp + G * k < nt) v[k] = __ldcg(first + 128 * (grp + G * k));
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+        if (grp + G * k < nt) buf[w * 33 + grp + G * k] = v[k];
+    __syncthreads();
+    const int n_lines = min(128, rows_job ? R - a * TR : C - a * TC);  // rows (columns) in this tile row
+    const int line_bytes = rows_job ? C / 32 : R / 32;                  // bytes per output row
+    for (int idx = tid; idx < n_lines * nt; idx += NTHR) {
+        const int l = idx / nt, i = idx % nt;
+        const i64 line = rows_job ? (i64)bz * R + a * TR + l : (i64)bz * C + a * TC + l;
+        u8* dst = (rows_job ? s_row : s_col) + line * line_bytes + 4 * (b0 + i);
+        const u32 bytes = buf[l * 33 + i];
+        const int n = min(4, line_bytes - 4 * (b0 + i));
+        if (n == 4 && ((unsigned long long)dst & 3) == 0) *reinterpret_cast<u32*>(dst) = bytes;
+        else for (int b = 0; b < n; b++) dst[b] = (u8)(bytes >> (8 * b));
+    }
+}
 
 __device__ __forceinline__ void put16(u8* row, int key, int c, const u32* q) {
     *reinterpret_cast<uint4*>(row + 16 * chunk(key, c)) = make_uint4(q[0], q[1], q[2], q[3]);
@@ -227,6 +294,7 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
 
     // phase 4: codes out, 16 bytes per thread, consecutive threads along an output row
     __syncthreads();
+    const unsigned long long pol_c = l2_policy<CPOL>();
     for (int i = threadIdx.x; i < TR * NCH; i += NT) {
         const int r = i / NCH, c = i % NCH;
         if (r < rows && c * 16 < cols) {
@@ -238,16 +306,16 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
         const int k = i / NCH, c = i % NCH;
         if (k < cols && c * 16 < rows) {
             const uint4 v = *reinterpret_cast<const uint4*>(out_c + k * TR + 16 * chunk(k >> 1, c));
-            st16(q_col + ((i64)bz * C + c0 + k) * R + r0 + 16 * c, v.x, v.y, v.z, v.w);
+            st16p<CPOL>(q_col + ((i64)bz * C + c0 + k) * R + r0 + 16 * c, v.x, v.y, v.z, v.w, pol_c);
         }
     }
     // ... and the scales: 4 bytes per row and per column of the tile
-#if SCRATCH
-    {
-        const i64 tile_id = ((i64)bz * gridDim.y + ty) * gridDim.x + tx;
+#if SCRATCH == 1
+    {   // row scales tile-row-major, column scales tile-column-major
+        const i64 tile_r = ((i64)bz * gridDim.y + ty) * gridDim.x + tx, tile_c = ((i64)bz * gridDim.x + tx) * gridDim.y + ty;
         for (int i = threadIdx.x; i < TR + TC; i += NT) {  // bytes of blocks outside the tensor: never read
-            if (i < TR) reinterpret_cast<u32*>(s_row)[tile_id * TR + i] = reinterpret_cast<const u32*>(sr)[i];
-            else reinterpret_cast<u32*>(s_col)[tile_id * TC + i - TR] = reinterpret_cast<const u32*>(sc)[i - TR];
+            if (i < TR) reinterpret_cast<u32*>(s_row)[tile_r * TR + i] = reinterpret_cast<const u32*>(sr)[i];
+            else reinterpret_cast<u32*>(s_col)[tile_c * TC + i - TR] = reinterpret_cast<const u32*>(sc)[i - TR];
         }
     }
 #else
@@ -265,47 +333,26 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
 #endif
 }
 
-// SCRATCH's second pass: the tile-major scales (B, nty, ntx, 128, 4) of mx_rowcol_bf16
+// SCRATCH 1 and 2's second pass: the tile-major scales (B, nty, ntx, 128, 4) of mx_rowcol_bf16
 // (row scales in scr_r, column scales in scr_c) to s_row (B, R, C / 32) and s_col
-// (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / 32), 1, B), 128 threads:
-// a block gathers the 4-byte runs of 32 consecutive tiles of one row of tiles (or one
-// column of tiles) in shared memory and writes 128 rows (columns) of 128 bytes.
-extern "C" __global__ void __launch_bounds__(128) mx_scales_out(
+// (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / CJ) - first_job, 1, B),
+// 128 threads (first_job = nty * ceil(ntx / 32) with SCRATCH 2: the column jobs only):
+// a block gathers the 4-byte runs of 32 consecutive tiles of one row of tiles (or CJ of
+// one column of tiles) in shared memory and writes 128 rows (columns) of 4 * 32 (4 * CJ)
+// bytes.
+extern "C" __global__ void __launch_bounds__(SNT, SMINB) mx_scales_out(
     const u32* __restrict__ scr_r, const u32* __restrict__ scr_c, int R, int C,
     u8* __restrict__ s_row, u8* __restrict__ s_col)
 {
     __shared__ u32 buf[128 * 33];
     const int nty = (R + TR - 1) / TR, ntx = (C + TC - 1) / TC;
-    const int nxc = (ntx + 31) / 32, nyc = (nty + 31) / 32;
-    const int bz = blockIdx.z;
+    const int nxc = (ntx + 31) / 32, nyc = (nty + CJ - 1) / CJ;
     int job = blockIdx.x;
     const bool rows_job = job < nty * nxc;
     if (!rows_job) job -= nty * nxc;
-    // rows job: tile row a = job / nxc, tiles b0 .. b0 + nt - 1 along C; columns job: tile
-    // column a = job / nyc, tiles b0 .. along R
     const int a = rows_job ? job / nxc : job / nyc;
-    const int b0 = 32 * (rows_job ? job % nxc : job % nyc);
-    const int nt = min(32, (rows_job ? ntx : nty) - b0);
-    const u32* src = rows_job ? scr_r : scr_c;
-    u32 v[32];  // all 32 loads in flight before the first use
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        const i64 tile_id = rows_job ? ((i64)bz * nty + a) * ntx + b0 + i : ((i64)bz * nty + b0 + i) * ntx + a;
-        if (i < nt) v[i] = src[tile_id * 128 + threadIdx.x];
-    }
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-        if (i < nt) buf[threadIdx.x * 33 + i] = v[i];
-    __syncthreads();
-    const int n_lines = min(128, rows_job ? R - a * TR : C - a * TC);  // rows (columns) in this tile row
-    const int line_bytes = rows_job ? C / 32 : R / 32;                  // bytes per output row
-    for (int idx = threadIdx.x; idx < n_lines * nt; idx += 128) {
-        const int l = idx / nt, i = idx % nt;
-        const i64 line = rows_job ? (i64)bz * R + a * TR + l : (i64)bz * C + a * TC + l;
-        u8* dst = (rows_job ? s_row : s_col) + line * line_bytes + 4 * (b0 + i);
-        const u32 bytes = buf[l * 33 + i];
-        const int n = min(4, line_bytes - 4 * (b0 + i));
-        if (n == 4 && ((unsigned long long)dst & 3) == 0) *reinterpret_cast<u32*>(dst) = bytes;
-        else for (int b = 0; b < n; b++) dst[b] = (u8)(bytes >> (8 * b));
-    }
+    const int b0 = rows_job ? 32 * (job % nxc) : CJ * (job % nyc);
+    const int nt = min(rows_job ? 32 : CJ, (rows_job ? ntx : nty) - b0);
+    scales_job<SNT>(rows_job ? scr_r : scr_c, rows_job, a, b0, nt, nty, ntx, blockIdx.z, R, C, s_row, s_col, buf,
+                    threadIdx.x);
 }

@@ -89,8 +89,12 @@ TUNING = {
     # bfloat16 row + column codes (plain scales) through the CUDA kernel
     # (kernels/cuda_rowcol.cu, compiled by NVRTC) where it applies (cuda_quantize.applies):
     # threads per block, 32-column blocks per row-pass task (rb), 32-row blocks per
-    # column-pass task (gb), scales through a tile-major scratch array (scratch)
-    "rowcol_cuda": {"enabled": True, "threads": 256, "rb": 2, "gb": 1, "scratch": True},
+    # column-pass task (gb), scales through tile-major scratch arrays (scratch) moved by
+    # mx_scales_out (scale_threads per block, at least scale_min_blocks resident per SM),
+    # L2 policy of the column code stores (col_policy 3: evict_last on half of them);
+    # benchmarks/rowcol_cuda_variants.py, session 7 of 2026-11-30
+    "rowcol_cuda": {"enabled": True, "threads": 256, "rb": 2, "gb": 1, "scratch": True, "col_policy": 3,
+                    "scale_threads": 256, "scale_min_blocks": 8},
 }
 # Under the interpreter every program costs a fixed overhead: large tiles, few programs.
 _TILE_INTERPRETER = (64, 256)
