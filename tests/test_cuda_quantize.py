@@ -23,17 +23,35 @@ def test_default_settings_are_valid():
     assert cq._settings_ok(CFG)
 
 
-@pytest.mark.parametrize("bad", [{"threads": 96}, {"threads": 512}, {"rb": 3}, {"gb": 8}, {"rb": 0}])
+@pytest.mark.parametrize("bad", [{"threads": 96}, {"threads": 512}, {"rb": 3}, {"gb": 8}, {"rb": 0},
+                                 {"scratch": "fused"}, {"col_policy": 4}, {"col_policy": -1}, {"cj": 12},
+                                 {"scale_threads": 64}, {"scale_threads": 1024}, {"scale_min_blocks": 0},
+                                 {"scale_min_blocks": 17}])
 def test_settings_out_of_range_are_refused(bad):
     assert not cq._settings_ok({**CFG, **bad})
 
 
 def test_source_defines_the_settings_first():
-    text = cq.source("e5m2", "floor", {**CFG, "threads": 128, "rb": 4, "gb": 2, "scratch": False})
-    head = text.splitlines()[:6]
+    text = cq.source("e5m2", "floor", {"threads": 128, "rb": 4, "gb": 2, "scratch": False, "col_policy": 2, "cj": 16,
+                                       "scale_threads": 512, "scale_min_blocks": 4})
+    head = text.splitlines()[:10]
     assert head == ["#define NT 128", "#define RB 4", "#define GB 2", "#define ELEM 1", "#define MODE 0",
-                    "#define SCRATCH 0"]
+                    "#define SCRATCH 0", "#define CPOL 2", "#define CJ 16", "#define SNT 512", "#define SMINB 4"]
     assert "mx_rowcol_bf16" in text and "mx_scales_out" in text
+
+
+def test_optional_settings_default_to_the_plain_kernel():
+    """Settings written before col_policy, cj and the scales pass's launch shape existed
+    still compile to the kernel they named (no L2 policy, 32-tile jobs, 128 threads)."""
+    text = cq.source("e4m3", "rceil", {"threads": 256, "rb": 2, "gb": 1, "scratch": True})
+    assert text.splitlines()[6:10] == ["#define CPOL 0", "#define CJ 32", "#define SNT 128", "#define SMINB 1"]
+
+
+def test_settings_name_their_compiled_kernel():
+    """The compile cache key holds every setting: two settings never share a kernel."""
+    a = cq._macros("e4m3", "rceil", CFG)
+    for k, v in (("col_policy", 0), ("scale_threads", 128), ("cj", 16), ("scale_min_blocks", 2)):
+        assert cq._macros("e4m3", "rceil", {**CFG, k: v}) != a
 
 
 def test_not_taken_for_cpu_tensors_or_when_disabled():
@@ -71,3 +89,29 @@ def test_source_compiles_for_sm90(tmp_path, fmt, mode, scratch):
     out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the GPU check compiles it with NVRTC)")
+@pytest.mark.parametrize("extra", [{"col_policy": p} for p in range(4)]
+                         + [{"scale_threads": 128, "scale_min_blocks": 1}, {"scale_threads": 512, "scale_min_blocks": 4},
+                            {"cj": 8}, {"cj": 16}])
+def test_variants_compile_for_sm90(tmp_path, extra):
+    src = tmp_path / "k.cu"
+    src.write_text(cq.source("e4m3", "rceil", {**CFG, **extra}))
+    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_default_settings_do_not_spill(tmp_path):
+    """The scales pass's register cap (256 threads x 8 blocks per SM: 32 registers) and the
+    main kernel fit without local-memory spills (ptxas -v of nvcc for sm_90; NVRTC uses
+    the same ptxas)."""
+    src = tmp_path / "k.cu"
+    src.write_text(cq.source("e4m3", "rceil", CFG))
+    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    spills = [line for line in out.stderr.splitlines() if "spill" in line]
+    assert len(spills) == 2 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), out.stderr

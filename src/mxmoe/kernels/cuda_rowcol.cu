@@ -5,10 +5,22 @@
 //   RB       32-column blocks per row-pass task (1, 2 or 4)
 //   GB       32-row blocks per column-pass task (1, 2 or 4)
 //   ELEM     0: E4M3, 1: E5M2;  MODE  0: floor, 1: rceil
-//   SCRATCH  1: the scales of each tile leave as two whole 512-byte runs into a tile-major
-//            scratch array, and mx_scales_out moves them to their (B, R, C / 32) and
-//            (B, C, R / 32) places, whole lines again; 0: one word per row and per column
-//            of each tile straight to their places
+//   SCRATCH  1: the scales of each tile leave as two whole 512-byte runs into scratch
+//            arrays (row scales tile-row-major, column scales tile-column-major), and
+//            mx_scales_out moves them to their (B, R, C / 32) and (B, C, R / 32) places,
+//            whole lines again; 0: one word per row and per column of each tile straight
+//            to their places
+//   CPOL     L2 policy of the column code stores (0 none, 1 evict_first, 2 evict_last,
+//            3 evict_last on half of them). At 131072 x 7168 the transposed output spans
+//            940 MB; kept longer in L2, more of its lines leave for DRAM next to their
+//            neighbours: 3 took the kernel from 1064-1070 to 1043-1050 us (2 about the
+//            same, 1 and an evict_first read policy slower; results/h200_rowcol_policy/)
+//   CJ       tiles along R per column-scale job of mx_scales_out (8, 16 or 32; 32: whole
+//            128-byte lines, the fastest)
+//   SNT      threads per block of mx_scales_out (128, 256 or 512), SMINB its
+//            __launch_bounds__ minimum of resident blocks per SM: 256 x 8 (32 registers,
+//            full occupancy) moves the scales at 2.7 TB/s against 1.6 at 128 x 1
+//            (118 registers); 43 against 73-75 us at 131072 x 7168
 //
 // Why CUDA: the Triton kernels hold a tile in registers (a 128 x 128 program needs ~240
 // registers per thread), and the row + column Triton kernel stays at ~80% of copy bandwidth
@@ -47,15 +59,14 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
-#ifndef CPOL   // L2 policy of the column code stores: 0 none, 1 evict_first, 2 evict_last,
-#define CPOL 0 // 3 evict_last on half of them (createpolicy.fractional 0.5)
+#ifndef CPOL  // defaults of the settings above that cuda_quantize may leave out
+#define CPOL 0
 #endif
-#ifndef CJ        // tiles along R per column-scale job (SCRATCH 1 and 2); 32: whole lines
+#ifndef CJ
 #define CJ 32
 #endif
-
-#ifndef SNT      // threads per block of mx_scales_out (128, 256 or 512) and its
-#define SNT 128  // __launch_bounds__ minimum of resident blocks per SM
+#ifndef SNT
+#define SNT 128
 #endif
 #ifndef SMINB
 #define SMINB 1
@@ -145,7 +156,8 @@ __device__ __forceinline__ void st16p(u8* p, u32 a, u32 b, u32 c, u32 d, unsigne
 
 // one scale job: the 4-byte runs of nt (<= 32) consecutive tiles of one row of tiles
 // (rows_job: tile row a, tiles b0 .. along C) or of one column of tiles (tile column a,
-// tiles b0 .. along R), from the tile-major scratch src (B, nty, ntx, 128) words, gathered
+// tiles b0 .. along R), from the scratch array src (B, nty, ntx, 128) words for rows,
+// (B, ntx, nty, 128) for columns (the job's tiles consecutive), gathered
 // in buf (128 x 33 words of shared memory) and written as runs of 4 * nt bytes to 128 rows
 // of s_row (B, R, C / 32) or columns of s_col (B, C, R / 32). NTHR threads (128, 256 or
 // 512): thread tid loads word tid % 128 of every (NTHR / 128)-th tile, all loads in flight
@@ -186,7 +198,7 @@ __device__ __forceinline__ void put16(u8* row, int key, int c, const u32* q) {
 }
 
 // x (B, R, C) bfloat16, unit stride along C; grid (C / TC, R / TR, B). SCRATCH: s_row and
-// s_col are the tile-major scratch arrays (B, R / TR, C / TC, TR, 4) and (..., TC, 4).
+// s_col are the scratch arrays (B, R / TR, C / TC, TR, 4) and (B, C / TC, R / TR, TC, 4).
 extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
     const u16* __restrict__ x, int stride_b, int stride_r, int R, int C, int B,
     u8* __restrict__ q_row, u8* __restrict__ s_row, u8* __restrict__ q_col, u8* __restrict__ s_col)
@@ -333,13 +345,12 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
 #endif
 }
 
-// SCRATCH 1 and 2's second pass: the tile-major scales (B, nty, ntx, 128, 4) of mx_rowcol_bf16
-// (row scales in scr_r, column scales in scr_c) to s_row (B, R, C / 32) and s_col
-// (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / CJ) - first_job, 1, B),
-// 128 threads (first_job = nty * ceil(ntx / 32) with SCRATCH 2: the column jobs only):
-// a block gathers the 4-byte runs of 32 consecutive tiles of one row of tiles (or CJ of
-// one column of tiles) in shared memory and writes 128 rows (columns) of 4 * 32 (4 * CJ)
-// bytes.
+// SCRATCH's second pass: the scales of mx_rowcol_bf16 from the scratch arrays (row scales
+// scr_r (B, nty, ntx, 128) words, column scales scr_c (B, ntx, nty, 128) words) to s_row
+// (B, R, C / 32) and s_col (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / CJ),
+// 1, B), SNT threads: a block gathers the 4-byte runs of 32 consecutive tiles of one row
+// of tiles (or CJ of one column of tiles), one 16 KB read, in shared memory and writes
+// 128 rows (columns) of 4 * 32 (4 * CJ) bytes.
 extern "C" __global__ void __launch_bounds__(SNT, SMINB) mx_scales_out(
     const u32* __restrict__ scr_r, const u32* __restrict__ scr_c, int R, int C,
     u8* __restrict__ s_row, u8* __restrict__ s_col)
