@@ -28,7 +28,8 @@ _ARGS.add_argument("--tuning", metavar="FILE", default=None,
                    help="launch settings from a benchmarks/quantize.py --out JSON result instead of the defaults")
 _ARGS.add_argument("--rowcol-cfg", metavar="JSON", action="append", default=None,
                    help="only the row + column layout checks, once per CUDA kernel setting given (repeatable), "
-                        "e.g. '{\"threads\": 256, \"rb\": 2, \"gb\": 1, \"scratch\": \"fused\", \"cj\": 8}'")
+                        "e.g. '{\"threads\": 256, \"rb\": 2, \"gb\": 1, \"scratch\": true, \"cj\": 8}'; "
+                        "a setting the kernel refuses is an error")
 ARGS = _ARGS.parse_args()
 SMOKE = ARGS.smoke
 if SMOKE:
@@ -104,6 +105,7 @@ def check_rowcol_layouts() -> None:
     from mxmoe.kernels import cuda_quantize
 
     cfg = kq.TUNING["rowcol_cuda"]
+    ran_cuda = 0
     for fmt, mode in (("e4m3", "rceil"), ("e5m2", "floor"), ("e4m3", "floor"), ("e5m2", "rceil")):
         for dtype in (torch.bfloat16, torch.float32):
             cases = {
@@ -122,11 +124,16 @@ def check_rowcol_layouts() -> None:
             for name, x in cases.items():
                 took = not SMOKE and cuda_quantize.applies(x, fmt, mode, cfg)
                 got = kq.quantize_rowcol(x, fmt, mode)
+                # applies, and the compile step did not fail (which would have taken Triton)
+                took = took and (cuda_quantize._macros(fmt, mode, cfg), x.device.index) in cuda_quantize._KERNELS
+                ran_cuda += took
                 want = rowcol_refs(x, fmt, mode)
                 check(f"rowcol layout {name} {fmt} {mode} {str(dtype)[6:]} ({'cuda' if took else 'triton'})",
                       all(same(a, b) for a, b in zip(got, want)))
     if SMOKE:
         return
+    if cfg.get("enabled", True):
+        check(f"the CUDA kernel ran ({ran_cuda} of the cases above)", ran_cuda > 0)
     x = hard(4096, 2880, seed=30, dtype=torch.bfloat16)
     want = kq.quantize_rowcol(x)  # compiles the kernel outside the graph
     graph = torch.cuda.CUDAGraph()
@@ -141,8 +148,12 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__}")
     if ARGS.rowcol_cfg:
         default = dict(kq.TUNING["rowcol_cuda"])
+        from mxmoe.kernels import cuda_quantize
+
         for text in ARGS.rowcol_cfg:
             kq.TUNING["rowcol_cuda"] = {"enabled": True, **json.loads(text)}
+            if not cuda_quantize._settings_ok(kq.TUNING["rowcol_cuda"]):
+                raise SystemExit(f"--rowcol-cfg {text}: not a setting of the CUDA kernel (cuda_quantize._settings_ok)")
             print("rowcol_cuda settings:", json.dumps(kq.TUNING["rowcol_cuda"]), flush=True)
             check_rowcol_layouts()
         kq.TUNING["rowcol_cuda"] = default

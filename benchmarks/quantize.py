@@ -148,12 +148,14 @@ def sweep(only: set | None = None) -> dict:
                                   lambda: kq.dequantize_colwise(qc, sc, torch.bfloat16))
         del qc, sc
     if only is None or "rowcol_cuda" in only:
-        # (threads, rb, gb, scratch): each thread one or two tasks per pass
+        # (threads, rb, gb, scratch): each thread one or two tasks per pass; the other settings
+        # (L2 policy, the scales pass's launch shape) as in TUNING, chosen by rowcol_cuda_variants.py
+        base = dict(kq.TUNING["rowcol_cuda"])
         best["rowcol_cuda"] = _pick("rowcol_cuda", [
-            {"enabled": True, "threads": n, "rb": rb, "gb": gb, "scratch": sc}
+            {**base, "enabled": True, "threads": n, "rb": rb, "gb": gb, "scratch": sc}
             for n, rb, gb, sc in ((128, 4, 2, True), (128, 4, 2, False), (128, 4, 4, True), (128, 2, 1, True),
                                   (256, 2, 1, True), (256, 2, 1, False))]
-            + [{"enabled": False, "threads": 128, "rb": 4, "gb": 2, "scratch": True}],
+            + [{**base, "enabled": False}],
             lambda: kq.quantize_rowcol(x))
     if only is not None and "t8" not in only:
         print("tuning:", json.dumps(kq.TUNING))

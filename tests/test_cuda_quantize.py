@@ -7,6 +7,7 @@ mode, tile edge and layout against the reference; results/h200_cuda_rowcol/)."""
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import subprocess
 
@@ -24,9 +25,11 @@ def test_default_settings_are_valid():
 
 
 @pytest.mark.parametrize("bad", [{"threads": 96}, {"threads": 512}, {"rb": 3}, {"gb": 8}, {"rb": 0},
-                                 {"scratch": "fused"}, {"col_policy": 4}, {"col_policy": -1}, {"cj": 12},
+                                 {"scratch": "fused"}, {"scratch": 1}, {"col_policy": 4}, {"col_policy": -1},
+                                 {"col_policy": True}, {"cj": 12}, {"cj": 16.0}, {"threads": 256.0},
                                  {"scale_threads": 64}, {"scale_threads": 1024}, {"scale_min_blocks": 0},
-                                 {"scale_min_blocks": 17}])
+                                 {"scale_min_blocks": 14}, {"scale_threads": 256, "scale_min_blocks": 9},
+                                 {"scale_threads": 512, "scale_min_blocks": 5}])
 def test_settings_out_of_range_are_refused(bad):
     assert not cq._settings_ok({**CFG, **bad})
 
@@ -58,6 +61,25 @@ def test_not_taken_for_cpu_tensors_or_when_disabled():
     x = torch.zeros(1, 64, 64, dtype=torch.bfloat16)
     assert not cq.applies(x, "e4m3", "rceil", CFG)
     assert not cq.applies(x, "e4m3", "rceil", {**CFG, "enabled": False})
+
+
+@pytest.mark.parametrize("shape,strides,ptr,ok", [
+    ((1, 4096, 2880), (4096 * 2880, 2880, 1), 0, True),
+    ((3, 224, 320), (224 * 320, 320, 1), 256, True),
+    ((1, 96, 2880), (96 * 2944, 2944, 1), 0, True),         # row stride wider than the row
+    ((3, 64, 128), (2 * 64 * 128, 128, 1), 0, True),        # every other expert
+    ((1, 64, 96), (64 * 136, 136, 1), 2, False),            # start not 16-byte aligned
+    ((1, 64, 96), (64 * 100, 100, 1), 0, False),            # row stride not a multiple of 8 elements
+    ((2, 64, 96), (64 * 96 + 4, 96, 1), 0, False),          # matrix stride not a multiple of 8
+    ((1, 64, 96), (96, 1, 64), 0, False),                   # not unit stride along C
+    ((1, 48, 96), (48 * 96, 96, 1), 0, False),              # R not a multiple of 32
+    ((1, 64, 80), (64 * 80, 80, 1), 0, False),              # C not a multiple of 32
+    ((65536, 32, 32), (1024, 32, 1), 0, False),             # grid z
+    ((1, 128 * 65536, 32), (128 * 65536 * 32, 32, 1), 0, False),  # grid y
+    ((1, 32, 2**31), (2**31 * 32, 2**31, 1), 0, False),     # int32 sizes
+])
+def test_layout_rules(shape, strides, ptr, ok):
+    assert cq._layout_ok(shape, strides, ptr) is ok
 
 
 def test_shared_memory_fits_sm90():
@@ -115,3 +137,25 @@ def test_default_settings_do_not_spill(tmp_path):
     assert out.returncode == 0, out.stderr
     spills = [line for line in out.stderr.splitlines() if "spill" in line]
     assert len(spills) == 2 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), out.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("policy", range(4))
+def test_column_stores_carry_the_l2_policy(tmp_path, policy):
+    """col_policy reaches the PTX: the column code stores carry a cache policy made by
+    createpolicy (none at 0), the row code stores never do."""
+    src = tmp_path / "k.cu"
+    src.write_text(cq.source("e4m3", "rceil", {**CFG, "col_policy": policy}))
+    out = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "k.ptx"), str(src)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    hinted = ptx.count("st.global.L2::cache_hint.v4.b32")
+    want = {0: None, 1: "L2::evict_first.b64 %rd\\d+, 1.0;", 2: "L2::evict_last.b64 %rd\\d+, 1.0;",
+            3: "L2::evict_last.b64 %rd\\d+, 0.5;"}[policy]
+    if want is None:
+        assert hinted == 0 and "createpolicy" not in ptx
+    else:
+        assert hinted >= 1 and ptx.count("st.global.v4.b32") >= 1  # column stores hinted, row stores plain
+        policies = re.findall(r"createpolicy\.fractional\.(\S+ %rd\d+, [\d.]+;)", ptx)
+        assert len(policies) == 1 and re.fullmatch(want, policies[0]), policies

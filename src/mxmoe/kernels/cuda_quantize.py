@@ -31,7 +31,9 @@ jobs, and any setup where the compile step fails (a warning says why, once), tak
 Triton kernels, which give the same bytes.
 
 Launch settings (``cfg``): ``mxmoe.kernels.quantize.TUNING["rowcol_cuda"]``, measured on
-the H200 by ``benchmarks/quantize.py --sweep-only rowcol_cuda``.
+the H200 by ``benchmarks/quantize.py --sweep-only rowcol_cuda`` (threads, rb, gb, scratch)
+and ``benchmarks/rowcol_cuda_variants.py`` (col_policy, cj and the scales pass's launch
+shape).
 """
 
 from __future__ import annotations
@@ -60,17 +62,23 @@ TILE = 128  # rows and columns of a tile (fixed in cuda_rowcol.cu)
 SMEM_BYTES = TILE * TILE * 4 + 2 * TILE * 4
 
 
+def _int_in(v, options) -> bool:
+    return type(v) is int and v in options  # not bool, not float: they reach the source as #define text
+
+
 def _settings_ok(cfg: dict) -> bool:
     """cfg: ``threads`` per block (128 or 256), ``rb`` 32-column blocks per row-pass task
-    and ``gb`` 32-row blocks per column-pass task (1, 2 or 4 each), ``scratch`` (the scales
-    through scratch arrays and a second pass), and optional ``col_policy`` (L2 policy of
-    the column code stores, 0-3), ``cj`` (tiles per column-scale job: 8, 16, 32),
-    ``scale_threads`` (128, 256, 512) and ``scale_min_blocks`` (1-16) of the second pass;
-    see cuda_rowcol.cu."""
-    return (cfg.get("threads") in (128, 256) and cfg.get("rb") in (1, 2, 4) and cfg.get("gb") in (1, 2, 4)
-            and cfg.get("scratch", False) in (False, True) and cfg.get("col_policy", 0) in range(4)
-            and cfg.get("cj", 32) in (8, 16, 32) and cfg.get("scale_threads", 128) in (128, 256, 512)
-            and cfg.get("scale_min_blocks", 1) in range(1, 17))
+    and ``gb`` 32-row blocks per column-pass task (1, 2 or 4 each), ``scratch`` (bool: the
+    scales through scratch arrays and a second pass), and optional ``col_policy`` (L2
+    policy of the column code stores, 0-3), ``cj`` (tiles per column-scale job: 8, 16, 32),
+    ``scale_threads`` (128, 256, 512) and ``scale_min_blocks`` of the second pass (its
+    ``__launch_bounds__`` minimum of resident blocks per SM: at most 2048 threads and 13
+    blocks of 16.9 KB shared memory per SM); see cuda_rowcol.cu. Integers must be ints."""
+    snt, sminb = cfg.get("scale_threads", 128), cfg.get("scale_min_blocks", 1)
+    return (_int_in(cfg.get("threads"), (128, 256)) and _int_in(cfg.get("rb"), (1, 2, 4))
+            and _int_in(cfg.get("gb"), (1, 2, 4)) and type(cfg.get("scratch", False)) is bool
+            and _int_in(cfg.get("col_policy", 0), range(4)) and _int_in(cfg.get("cj", 32), (8, 16, 32))
+            and _int_in(snt, (128, 256, 512)) and _int_in(sminb, range(1, 14)) and snt * sminb <= 2048)
 
 
 def _macros(fmt: str, mode: str, cfg: dict) -> tuple:
@@ -133,12 +141,20 @@ def applies(x3: Tensor, fmt: str, mode: str, cfg: dict) -> bool:
         return False
     if fmt not in _ELEM or mode not in _MODE or x3.dim() != 3 or not x3.is_cuda or x3.dtype != torch.bfloat16:
         return False
-    B, R, C = x3.shape
     if torch.cuda.get_device_capability(x3.device) < (9, 0):
         return False
-    return (-(-R // TILE) <= 65535 and B <= 65535 and R % BLOCK == 0 and C % BLOCK == 0 and x3.stride(2) == 1
-            and x3.stride(1) % 8 == 0 and (x3.stride(0) % 8 == 0 or B == 1) and x3.data_ptr() % 16 == 0
-            and max(x3.stride(0) if B > 1 else 0, x3.stride(1), R, C) <= _INT32_MAX
+    return _layout_ok(tuple(x3.shape), tuple(x3.stride()), x3.data_ptr())
+
+
+def _layout_ok(shape: tuple[int, int, int], strides: tuple[int, int, int], data_ptr: int) -> bool:
+    """The layout part of :func:`applies` for a bfloat16 (B, R, C) tensor (strides in
+    elements, data_ptr in bytes): the grid's y and z within 65535, R and C multiples of 32,
+    unit stride along C, rows (and matrices, when B > 1) at 16-byte boundaries, strides,
+    sizes and scratch words within int32."""
+    B, R, C = shape
+    return (-(-R // TILE) <= 65535 and B <= 65535 and R % BLOCK == 0 and C % BLOCK == 0 and strides[2] == 1
+            and strides[1] % 8 == 0 and (strides[0] % 8 == 0 or B == 1) and data_ptr % 16 == 0
+            and max(strides[0] if B > 1 else 0, strides[1], R, C) <= _INT32_MAX
             and B * -(-R // TILE) * -(-C // TILE) * TILE <= _INT32_MAX)
 
 

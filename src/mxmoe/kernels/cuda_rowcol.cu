@@ -13,14 +13,15 @@
 //   CPOL     L2 policy of the column code stores (0 none, 1 evict_first, 2 evict_last,
 //            3 evict_last on half of them). At 131072 x 7168 the transposed output spans
 //            940 MB; kept longer in L2, more of its lines leave for DRAM next to their
-//            neighbours: 3 took the kernel from 1064-1070 to 1043-1050 us (2 about the
-//            same, 1 and an evict_first read policy slower; results/h200_rowcol_policy/)
+//            neighbours: with 2 or 3 the kernel took 1042.7-1053.7 us in three runs against
+//            1058.7-1070.6 for 0 in the same runs (results/h200_rowcol_policy/; 1 not timed;
+//            an evict_first policy on the reads or on the row code stores was slower)
 //   CJ       tiles along R per column-scale job of mx_scales_out (8, 16 or 32; 32: whole
 //            128-byte lines, the fastest)
 //   SNT      threads per block of mx_scales_out (128, 256 or 512), SMINB its
 //            __launch_bounds__ minimum of resident blocks per SM: 256 x 8 (32 registers,
-//            full occupancy) moves the scales at 2.7 TB/s against 1.6 at 128 x 1
-//            (118 registers); 43 against 73-75 us at 131072 x 7168
+//            full occupancy) moves the scales of 131072 x 7168 in 43 us (2.7 TB/s), against
+//            55 us for the earlier 128-thread pass (80 registers; results/h200_rowcol_policy/)
 //
 // Why CUDA: the Triton kernels hold a tile in registers (a 128 x 128 program needs ~240
 // registers per thread), and the row + column Triton kernel stays at ~80% of copy bandwidth
@@ -170,7 +171,7 @@ __device__ __forceinline__ void scales_job(
     constexpr int G = NTHR / 128, PER = 32 / G;
     const int w = tid % 128, grp = tid / 128;
     // the job's tiles are consecutive in src: row scales tile-row-major, column scales
-    // tile-column-major (16 KB read in one run)
+    // tile-column-major (one read of nt * 512 bytes)
     const u32* first = src + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;
     u32 v[PER];
 #pragma unroll
@@ -349,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
 // scr_r (B, nty, ntx, 128) words, column scales scr_c (B, ntx, nty, 128) words) to s_row
 // (B, R, C / 32) and s_col (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / CJ),
 // 1, B), SNT threads: a block gathers the 4-byte runs of 32 consecutive tiles of one row
-// of tiles (or CJ of one column of tiles), one 16 KB read, in shared memory and writes
+// of tiles (or CJ of one column of tiles), one read of up to 16 KB, in shared memory and writes
 // 128 rows (columns) of 4 * 32 (4 * CJ) bytes.
 extern "C" __global__ void __launch_bounds__(SNT, SMINB) mx_scales_out(
     const u32* __restrict__ scr_r, const u32* __restrict__ scr_c, int R, int C,
