@@ -145,7 +145,8 @@ def check_rowcol_layouts() -> None:
 
 
 def main() -> int:
-    print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name() if not SMOKE else 'cpu (interpreter)'} | torch {torch.__version__} | "
+          f"commit {os.environ.get('COMMIT', 'unknown')}")
     if ARGS.rowcol_cfg:
         default = dict(kq.TUNING["rowcol_cuda"])
         from mxmoe.kernels import cuda_quantize

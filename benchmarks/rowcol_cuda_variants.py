@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--pass-alone", action="store_true", help="also time the scales pass (mx_scales_out) by itself")
     args = ap.parse_args()
     cfgs = [json.loads(c) for c in args.cfg] if args.cfg else [dict(kq.TUNING["rowcol_cuda"])]
-    print(torch.cuda.get_device_name(), torch.__version__)
+    print(torch.cuda.get_device_name(), torch.__version__, "commit", os.environ.get("COMMIT", "unknown"))
     original = cq.source
     for M, K in ((16384, 8192), (131072, 7168)):
         x = torch.randn(1, M, K, device="cuda", dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """CUDA MX quantization kernels, compiled at run time by NVRTC.
 
 One kernel so far, where the Triton kernels fell short of their target (issue 3: row-wise
-+ column-wise in one pass at >= 85% of copy bandwidth; the Triton t8 kernel reaches 79-82%):
++ column-wise in one pass at >= 85% of copy bandwidth; the Triton t8 kernel reaches 78.5-82.5%):
 ``mx_rowcol_bf16`` in ``cuda_rowcol.cu`` quantizes a bfloat16 (B, R, C) tensor row-wise
 (blocks along C) and column-wise (blocks along R, written transposed) from one read, with
 the same bytes as the Triton kernels and :mod:`mxmoe.numerics.reference` (the rules are

@@ -21,7 +21,8 @@
 //   SNT      threads per block of mx_scales_out (128, 256 or 512), SMINB its
 //            __launch_bounds__ minimum of resident blocks per SM: 256 x 8 (32 registers,
 //            full occupancy) moves the scales of 131072 x 7168 in 43 us (2.7 TB/s), against
-//            55 us for the earlier 128-thread pass (80 registers; results/h200_rowcol_policy/)
+//            55 us for the earlier pass of 128 threads with 80 registers each
+//            (results/h200_rowcol_policy/)
 //
 // Why CUDA: the Triton kernels hold a tile in registers (a 128 x 128 program needs ~240
 // registers per thread), and the row + column Triton kernel stays at ~80% of copy bandwidth
@@ -29,7 +30,7 @@
 // every output leaves through shared memory as whole 128-byte lines. What was measured on
 // the H200 (benchmarks/results/h200_cuda_rowcol/): with the codes stored straight from each
 // thread's registers (32-byte runs, every warp store touching 32 lines) the kernel took
-// 2.2x the time; staged, the read and the code stores alone run at 95% of copy, and the
+// 2.2-2.6x the time (357.9-429 us against 165.5); staged, the read and the code stores alone run at 95% of copy, and the
 // scale stores (one word per row and per column of each tile: 3 M partial 32-byte sectors
 // against 8.4 M for the codes at 16384 x 8192) cost more than the arithmetic (24 us of
 // 167). SCRATCH turns them into whole lines at the price of a second small pass.
