@@ -125,7 +125,7 @@ def check_rowcol_layouts() -> None:
                 took = not SMOKE and cuda_quantize.applies(x, fmt, mode, cfg)
                 got = kq.quantize_rowcol(x, fmt, mode)
                 # applies, and the compile step did not fail (which would have taken Triton)
-                took = took and (cuda_quantize._macros(fmt, mode, cfg), x.device.index) in cuda_quantize._KERNELS
+                took = took and cuda_quantize.is_compiled(fmt, mode, cfg, x.device.index)
                 ran_cuda += took
                 want = rowcol_refs(x, fmt, mode)
                 check(f"rowcol layout {name} {fmt} {mode} {str(dtype)[6:]} ({'cuda' if took else 'triton'})",

@@ -72,8 +72,8 @@ def main() -> int:
                 cq._KERNELS.clear()
                 if name == "no scales pass":
                     main_k, _ = cq._compiled("e4m3", "rceil", cfg, torch.cuda.current_device())
-                    cq._KERNELS[(cq._macros("e4m3", "rceil", cfg), torch.cuda.current_device())] = (
-                        main_k, lambda **kw: None)
+                    key = cq._key("e4m3", "rceil", cfg, torch.cuda.current_device())
+                    cq._KERNELS[key] = (main_k, lambda **kw: None)
                 out = cq.rowcol(x, "e4m3", "rceil", cfg)
                 torch.cuda.synchronize()
                 exact = all(torch.equal(out[k], w) for k, w in zip(("q_row", "s_row", "q_col", "s_col"), want))

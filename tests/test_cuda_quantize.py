@@ -52,9 +52,9 @@ def test_optional_settings_default_to_the_plain_kernel():
 
 def test_settings_name_their_compiled_kernel():
     """The compile cache key holds every setting: two settings never share a kernel."""
-    a = cq._macros("e4m3", "rceil", CFG)
+    a = cq._key("e4m3", "rceil", CFG, 0)
     for k, v in (("col_policy", 0), ("scale_threads", 128), ("cj", 16), ("scale_min_blocks", 2)):
-        assert cq._macros("e4m3", "rceil", {**CFG, k: v}) != a
+        assert cq._key("e4m3", "rceil", {**CFG, k: v}, 0) != a
 
 
 def test_not_taken_for_cpu_tensors_or_when_disabled():
@@ -103,52 +103,52 @@ def test_rowcol_on_cpu_takes_triton_with_the_reference_bytes(monkeypatch):
     assert torch.equal(s_row.view(torch.uint8), ref.scale.view(torch.uint8))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the GPU check compiles it with NVRTC)")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None,
+                                reason="nvcc not installed (the GPU check compiles it with NVRTC)")
+
+
+def _nvcc(tmp_path, fmt: str, mode: str, cfg: dict, *flags: str,
+          out: str = "k.cubin") -> subprocess.CompletedProcess:
+    """Compile the kernel source for these settings for sm_90 with nvcc (-cubin unless
+    flags say otherwise); asserts success and returns the run (ptxas -v reports in stderr)."""
+    src = tmp_path / "k.cu"
+    src.write_text(cq.source(fmt, mode, cfg))
+    run = subprocess.run(["nvcc", "-arch=sm_90", *(flags or ("-cubin",)), "-o", str(tmp_path / out), str(src)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@needs_nvcc
 @pytest.mark.parametrize("fmt,mode,scratch", list(itertools.product(("e4m3", "e5m2"), ("floor", "rceil"), (0, 1))))
 def test_source_compiles_for_sm90(tmp_path, fmt, mode, scratch):
-    src = tmp_path / "k.cu"
-    src.write_text(cq.source(fmt, mode, {**CFG, "scratch": bool(scratch)}))
-    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    _nvcc(tmp_path, fmt, mode, {**CFG, "scratch": bool(scratch)})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed (the GPU check compiles it with NVRTC)")
+@needs_nvcc
 @pytest.mark.parametrize("extra", [{"col_policy": p} for p in range(4)]
-                         + [{"scale_threads": 128, "scale_min_blocks": 1}, {"scale_threads": 512, "scale_min_blocks": 4},
-                            {"cj": 8}, {"cj": 16}])
+                         + [{"scale_threads": 128, "scale_min_blocks": 1},
+                            {"scale_threads": 512, "scale_min_blocks": 4}, {"cj": 8}, {"cj": 16}])
 def test_variants_compile_for_sm90(tmp_path, extra):
-    src = tmp_path / "k.cu"
-    src.write_text(cq.source("e4m3", "rceil", {**CFG, **extra}))
-    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    _nvcc(tmp_path, "e4m3", "rceil", {**CFG, **extra})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@needs_nvcc
 def test_default_settings_do_not_spill(tmp_path):
     """The scales pass's register cap (256 threads x 8 blocks per SM: 32 registers) and the
     main kernel fit without local-memory spills (ptxas -v of nvcc for sm_90; NVRTC uses
     the same ptxas)."""
-    src = tmp_path / "k.cu"
-    src.write_text(cq.source("e4m3", "rceil", CFG))
-    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    out = _nvcc(tmp_path, "e4m3", "rceil", CFG, "-cubin", "-Xptxas", "-v")
     spills = [line for line in out.stderr.splitlines() if "spill" in line]
     assert len(spills) == 2 and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), out.stderr
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@needs_nvcc
 @pytest.mark.parametrize("policy", range(4))
 def test_column_stores_carry_the_l2_policy(tmp_path, policy):
     """col_policy reaches the PTX: the column code stores carry a cache policy made by
     createpolicy (none at 0), the row code stores never do."""
-    src = tmp_path / "k.cu"
-    src.write_text(cq.source("e4m3", "rceil", {**CFG, "col_policy": policy}))
-    out = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "k.ptx"), str(src)],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    _nvcc(tmp_path, "e4m3", "rceil", {**CFG, "col_policy": policy}, "-ptx", out="k.ptx")
     ptx = (tmp_path / "k.ptx").read_text()
     hinted = ptx.count("st.global.L2::cache_hint.v4.b32")
     want = {0: None, 1: "L2::evict_first.b64 %rd\\d+, 1.0;", 2: "L2::evict_last.b64 %rd\\d+, 1.0;",

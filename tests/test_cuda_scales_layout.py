@@ -4,7 +4,7 @@ The host code (``kernels.cuda_quantize.rowcol``: buffers, grids, block sizes, th
 compile-time settings) runs for real; ``torch.cuda._compile_kernel`` is replaced by a fake
 whose kernels follow the index arithmetic of ``cuda_rowcol.cu`` in NumPy: the main
 kernel's scale stores (scratch arrays, or straight to their places) and ``mx_scales_out``
-/ ``scales_job`` at the block size the host launches. The source lines this emulation
+at the block size the host launches. The source lines this emulation
 follows are asserted to be in the ``.cu`` file, so an edit there fails here until the
 emulation follows it. Every scale byte a tile produces carries a unique id; each byte of
 the final scales must be written exactly once, with its id, and nothing unwritten
@@ -42,14 +42,15 @@ FOLLOWED = [
     "const int a = rows_job ? job / nxc : job / nyc;",
     "const int b0 = rows_job ? 32 * (job % nxc) : CJ * (job % nyc);",
     "const int nt = min(rows_job ? 32 : CJ, (rows_job ? ntx : nty) - b0);",
-    "constexpr int G = NTHR / 128, PER = 32 / G;",
+    "constexpr int G = SNT / 128, PER = 32 / G;",
     "const int w = tid % 128, grp = tid / 128;",
-    "const u32* first = src + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;",
+    "const u32* first = (rows_job ? scr_r : scr_c)"
+    " + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;",
     "if (grp + G * k < nt) v[k] = __ldcg(first + 128 * (grp + G * k));",
     "if (grp + G * k < nt) buf[w * 33 + grp + G * k] = v[k];",
     "const int n_lines = min(128, rows_job ? R - a * TR : C - a * TC);",
     "const int line_bytes = rows_job ? C / 32 : R / 32;",
-    "for (int idx = tid; idx < n_lines * nt; idx += NTHR) {",
+    "for (int idx = tid; idx < n_lines * nt; idx += SNT) {",
     "const int l = idx / nt, i = idx % nt;",
     "const i64 line = rows_job ? (i64)bz * R + a * TR + l : (i64)bz * C + a * TC + l;",
     "u8* dst = (rows_job ? s_row : s_col) + line * line_bytes + 4 * (b0 + i);",
@@ -89,8 +90,8 @@ class Memory:
 
 
 def _defines(text: str) -> dict[str, int]:
-    """The first ``#define NAME int`` of each name: cuda_quantize.source's settings come
-    first; the .cu file's own ``#ifndef`` defaults come later."""
+    """The first ``#define NAME int`` of each name (cuda_quantize.source's settings come
+    first, before the .cu file's own constants)."""
     out: dict[str, int] = {}
     for m in re.finditer(r"^#define (\w+) (-?\d+)$", text, re.M):
         out.setdefault(m.group(1), int(m.group(2)))
@@ -166,7 +167,7 @@ def _scales(mem: Memory, d: dict, grid, block, args) -> None:
             n_lines = min(128, R - a * TILE if rows_job else C - a * TILE)
             line_bytes = C // 32 if rows_job else R // 32
             idx = np.arange(n_lines * nt)
-            idx = idx[idx % snt < nthreads]  # idx = tid + NTHR * step, for the threads that exist
+            idx = idx[idx % snt < nthreads]  # idx = tid + SNT * step, for the threads that exist
             l, i = idx // nt, idx % nt
             line = (bz * R if rows_job else bz * C) + a * TILE + l
             dst = line * line_bytes + 4 * (b0 + i)
@@ -231,7 +232,6 @@ def test_the_emulation_catches_a_launch_that_does_not_match_the_compiled_kernel(
     """The check can fail: the scales pass launched at 128 threads for a kernel compiled
     for 256 loads only every other tile of each job."""
     cfg = {**kq.TUNING["rowcol_cuda"], "scale_threads": 256, "scale_min_blocks": 8}
-    real = cq.rowcol.__globals__["torch"]  # the host code's torch: launch through a wrapper
     mem = Memory()
     with fake_cuda(monkeypatch, mem):
         fake = torch.cuda._compile_kernel
@@ -243,7 +243,7 @@ def test_the_emulation_catches_a_launch_that_does_not_match_the_compiled_kernel(
                 return lambda grid, block, args, shared_mem=0, stream=None: call(grid, (128, 1, 1), args)
             return k
 
-        monkeypatch.setattr(real.cuda, "_compile_kernel", narrow, raising=False)
+        monkeypatch.setattr(torch.cuda, "_compile_kernel", narrow, raising=False)
         out = cq.rowcol(torch.zeros(1, 256, 4096, dtype=torch.bfloat16), "e4m3", "rceil", cfg)
     got, _ = mem.of(out["s_row"])
-    assert (got == POISON).any() or (got != _expected(1, 256, 4096)[0]).any()
+    assert (got != _expected(1, 256, 4096)[0]).any()

@@ -97,12 +97,23 @@ def source(fmt: str, mode: str, cfg: dict) -> str:
 _KERNELS: dict[tuple, tuple] = {}
 
 
+def _key(fmt: str, mode: str, cfg: dict, device_index: int) -> tuple:
+    """The compile cache key: every compile-time setting and the device."""
+    return (_macros(fmt, mode, cfg), device_index)
+
+
+def is_compiled(fmt: str, mode: str, cfg: dict, device_index: int) -> bool:
+    """Whether the kernels for these settings are compiled and loaded on this device (so a
+    call that :func:`applies` to runs them rather than the Triton fallback)."""
+    return _key(fmt, mode, cfg, device_index) in _KERNELS
+
+
 def _compiled(fmt: str, mode: str, cfg: dict, device_index: int):
     """(mx_rowcol_bf16, mx_scales_out) compiled for these settings on this device, on first
     use; None while a CUDA graph is being captured and they are not compiled yet (loading a
     module is not a stream operation a graph can hold), or if compiling failed (warned
     once per settings)."""
-    key = (_macros(fmt, mode, cfg), device_index)
+    key = _key(fmt, mode, cfg, device_index)
     if key in _FAILED:
         return None
     if key not in _KERNELS:

@@ -61,19 +61,6 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
-#ifndef CPOL  // defaults of the settings above that cuda_quantize may leave out
-#define CPOL 0
-#endif
-#ifndef CJ
-#define CJ 32
-#endif
-#ifndef SNT
-#define SNT 128
-#endif
-#ifndef SMINB
-#define SMINB 1
-#endif
-
 #define TR 128  // tile rows
 #define TC 128  // tile columns
 #define W (TC / 2)  // 32-bit words per tile row
@@ -151,48 +138,9 @@ __device__ __forceinline__ unsigned long long l2_policy() {
 
 template <int P>
 __device__ __forceinline__ void st16p(u8* p, u32 a, u32 b, u32 c, u32 d, unsigned long long pol) {
-    if (P == 0) asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+    if (P == 0) st16(p, a, b, c, d);
     else asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;"
                       :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d), "l"(pol) : "memory");
-}
-
-// one scale job: the 4-byte runs of nt (<= 32) consecutive tiles of one row of tiles
-// (rows_job: tile row a, tiles b0 .. along C) or of one column of tiles (tile column a,
-// tiles b0 .. along R), from the scratch array src (B, nty, ntx, 128) words for rows,
-// (B, ntx, nty, 128) for columns (the job's tiles consecutive), gathered
-// in buf (128 x 33 words of shared memory) and written as runs of 4 * nt bytes to 128 rows
-// of s_row (B, R, C / 32) or columns of s_col (B, C, R / 32). NTHR threads (128, 256 or
-// 512): thread tid loads word tid % 128 of every (NTHR / 128)-th tile, all loads in flight
-// before the first use.
-template <int NTHR>
-__device__ __forceinline__ void scales_job(
-    const u32* __restrict__ src, bool rows_job, int a, int b0, int nt, int nty, int ntx, int bz, int R, int C,
-    u8* __restrict__ s_row, u8* __restrict__ s_col, u32* buf, int tid)
-{
-    constexpr int G = NTHR / 128, PER = 32 / G;
-    const int w = tid % 128, grp = tid / 128;
-    // the job's tiles are consecutive in src: row scales tile-row-major, column scales
-    // tile-column-major (one read of nt * 512 bytes)
-    const u32* first = src + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;
-    u32 v[PER];
-#pragma unroll
-    for (int k = 0; k < PER; k++)
-        if (grp + G * k < nt) v[k] = __ldcg(first + 128 * (grp + G * k));
-#pragma unroll
-    for (int k = 0; k < PER; k++)
-        if (grp + G * k < nt) buf[w * 33 + grp + G * k] = v[k];
-    __syncthreads();
-    const int n_lines = min(128, rows_job ? R - a * TR : C - a * TC);  // rows (columns) in this tile row
-    const int line_bytes = rows_job ? C / 32 : R / 32;                  // bytes per output row
-    for (int idx = tid; idx < n_lines * nt; idx += NTHR) {
-        const int l = idx / nt, i = idx % nt;
-        const i64 line = rows_job ? (i64)bz * R + a * TR + l : (i64)bz * C + a * TC + l;
-        u8* dst = (rows_job ? s_row : s_col) + line * line_bytes + 4 * (b0 + i);
-        const u32 bytes = buf[l * 33 + i];
-        const int n = min(4, line_bytes - 4 * (b0 + i));
-        if (n == 4 && ((unsigned long long)dst & 3) == 0) *reinterpret_cast<u32*>(dst) = bytes;
-        else for (int b = 0; b < n; b++) dst[b] = (u8)(bytes >> (8 * b));
-    }
 }
 
 __device__ __forceinline__ void put16(u8* row, int key, int c, const u32* q) {
@@ -350,14 +298,19 @@ extern "C" __global__ void __launch_bounds__(NT) mx_rowcol_bf16(
 // SCRATCH's second pass: the scales of mx_rowcol_bf16 from the scratch arrays (row scales
 // scr_r (B, nty, ntx, 128) words, column scales scr_c (B, ntx, nty, 128) words) to s_row
 // (B, R, C / 32) and s_col (B, C, R / 32). grid (nty * ceil(ntx / 32) + ntx * ceil(nty / CJ),
-// 1, B), SNT threads: a block gathers the 4-byte runs of 32 consecutive tiles of one row
-// of tiles (or CJ of one column of tiles), one read of up to 16 KB, in shared memory and writes
-// 128 rows (columns) of 4 * 32 (4 * CJ) bytes.
+// 1, B), SNT threads (128, 256 or 512). A block's job: the 4-byte runs of nt (<= 32)
+// consecutive tiles of one row of tiles (rows job: tile row a, tiles b0 .. along C; up to
+// 32) or of one column of tiles (tile column a, tiles b0 .. along R; up to CJ), consecutive
+// in their scratch array (one read of nt * 512 bytes), gathered in buf (128 x 33 words)
+// and written as runs of 4 * nt bytes to 128 rows of s_row (columns of s_col). Thread tid
+// loads word tid % 128 of every (SNT / 128)-th tile, all loads in flight before the first
+// use.
 extern "C" __global__ void __launch_bounds__(SNT, SMINB) mx_scales_out(
     const u32* __restrict__ scr_r, const u32* __restrict__ scr_c, int R, int C,
     u8* __restrict__ s_row, u8* __restrict__ s_col)
 {
     __shared__ u32 buf[128 * 33];
+    constexpr int G = SNT / 128, PER = 32 / G;
     const int nty = (R + TR - 1) / TR, ntx = (C + TC - 1) / TC;
     const int nxc = (ntx + 31) / 32, nyc = (nty + CJ - 1) / CJ;
     int job = blockIdx.x;
@@ -366,6 +319,27 @@ extern "C" __global__ void __launch_bounds__(SNT, SMINB) mx_scales_out(
     const int a = rows_job ? job / nxc : job / nyc;
     const int b0 = rows_job ? 32 * (job % nxc) : CJ * (job % nyc);
     const int nt = min(rows_job ? 32 : CJ, (rows_job ? ntx : nty) - b0);
-    scales_job<SNT>(rows_job ? scr_r : scr_c, rows_job, a, b0, nt, nty, ntx, blockIdx.z, R, C, s_row, s_col, buf,
-                    threadIdx.x);
+    const int bz = blockIdx.z, tid = threadIdx.x;
+    const int w = tid % 128, grp = tid / 128;
+    const u32* first = (rows_job ? scr_r : scr_c)
+        + 128 * (rows_job ? ((i64)bz * nty + a) * ntx + b0 : ((i64)bz * ntx + a) * nty + b0) + w;
+    u32 v[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+        if (grp + G * k < nt) v[k] = __ldcg(first + 128 * (grp + G * k));
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+        if (grp + G * k < nt) buf[w * 33 + grp + G * k] = v[k];
+    __syncthreads();
+    const int n_lines = min(128, rows_job ? R - a * TR : C - a * TC);  // rows (columns) in this tile row
+    const int line_bytes = rows_job ? C / 32 : R / 32;                  // bytes per output row
+    for (int idx = tid; idx < n_lines * nt; idx += SNT) {
+        const int l = idx / nt, i = idx % nt;
+        const i64 line = rows_job ? (i64)bz * R + a * TR + l : (i64)bz * C + a * TC + l;
+        u8* dst = (rows_job ? s_row : s_col) + line * line_bytes + 4 * (b0 + i);
+        const u32 bytes = buf[l * 33 + i];
+        const int n = min(4, line_bytes - 4 * (b0 + i));
+        if (n == 4 && ((unsigned long long)dst & 3) == 0) *reinterpret_cast<u32*>(dst) = bytes;
+        else for (int b = 0; b < n; b++) dst[b] = (u8)(bytes >> (8 * b));
+    }
 }
