@@ -206,6 +206,24 @@ def main() -> int:
                       same(q, rq) and same(s, rs) and torch.equal(pofs, rpofs))
                 dq, _ = kq.fake_quantize_grouped_colwise(x, offsets, fmt, mode, torch.bfloat16)
                 check(f"grouped fake_quantize {tag}", same_values(dq.t(), kq.dequantize_rowwise(q, s, torch.bfloat16)))
+                # the wgrad pair: x with a narrower, strided second operand, in both orders
+                c2 = 40 if SMOKE else 1408
+                x2 = hard(2 * T, c2 + 33, seed=8, dtype=dtype)[::2, 5:c2 + 5]
+                x2[sum(sizes):] = float("nan")
+                dq2, _ = kq.fake_quantize_grouped_colwise(x2, offsets, fmt, mode, torch.bfloat16)
+                for first, second, w1, w2 in ((x, x2, dq, dq2), (x2, x, dq2, dq)):
+                    p1, p2, ppofs = kq.fake_quantize_grouped_colwise_pair(first, second, offsets, fmt, mode,
+                                                                          torch.bfloat16)
+                    check(f"grouped fake_quantize pair {tag} C={first.shape[1]},{second.shape[1]}",
+                          same(p1, w1) and same(p2, w2) and torch.equal(ppofs, rpofs))
+                # the weight's two copies from one read (weight_copy_cache), N = N / 2 + 20: not a multiple of 32
+                w3 = torch.stack([hard(N // 2 + 20, K, seed=200 + e, dtype=dtype) for e in range(E)])
+                rows, cols = kq.fake_quantize_rowcol(w3, fmt, mode, torch.bfloat16)
+                check(f"3d fake_quantize_rowcol {tag} {tuple(w3.shape)}",
+                      same_values(rows, fake_quantize_mx(w3, fmt, dim=2, scale_mode=mode, pad=True,
+                                                         out_dtype=torch.bfloat16, backend="reference"))
+                      and same_values(cols, fake_quantize_mx(w3, fmt, dim=1, scale_mode=mode, pad=True,
+                                                             out_dtype=torch.bfloat16, backend="reference")))
     print(f"{len(failures)} failures")
     return 1 if failures else 0
 

@@ -8,8 +8,17 @@ For each shape (T tokens, K, N, E experts) and routing, in one process:
   ``torch._grouped_mm``. Exact: E4M3 code x 2^scale is a bf16 value, and the GEMM
   accumulates in float32. Timed as the library runs it (``mx_grouped_mm``'s forward, and its
   dgrad and wgrad steps), and split into the quantization passes and the GEMM.
-  "w cached": the weight's quantized copies made once per optimizer step (they do not change
-  between micro-batches), so a step's GEMM pays only for the activation passes.
+  "w cached": the weight's copies from ``mxmoe.weight_copy_cache()`` (made once per
+  optimizer step: they do not change between micro-batches), so a GEMM pays only for the
+  activation pass; timed as the ops that path runs (the x or dy pass and the GEMM on the
+  cached copy; the cache itself is skipped under graph capture), checked bit-equal to the
+  library's output. "w copies, one pass": the per-step cost, both copies from one read
+  (``fake_quantize_rowcol``). "amortized, M micro-batches": per GEMM, the cached time
+  plus the per-step pass shared by the M forward and M dgrad GEMMs of a step,
+  t_cached + t_pass / (2 M): derived from the measured parts, for M = 1 and 8.
+- wgrad: both token-blocked operands (dy, x) come from one launch
+  (``fake_quantize_grouped_tokens_pair``, as ``mx_grouped_mm``'s backward runs it);
+  "quantize dy, x (two launches)" times the two single launches it replaced.
 - torchao 0.18 MXFP8 grouped GEMM (``_to_mxfp8_then_scaled_grouped_mm``, emulated: the only
   mode it has on sm90), forward and forward + backward, if torchao is importable.
 
@@ -36,7 +45,9 @@ import torch
 
 from mxmoe.ops.gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from mxmoe.ops.grouped_mm import mx_grouped_mm
-from mxmoe.ops.quantize import fake_quantize, fake_quantize_grouped_tokens
+from mxmoe.ops.quantize import (fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair,
+                                fake_quantize_rowcol)
+from mxmoe.ops.weight_cache import weight_copy_cache
 from mxmoe.recipe import get_recipe
 
 SHAPES = [(32768, 4096, 2048, 16), (65536, 7168, 2048, 64), (16384, 2048, 1408, 64)]
@@ -185,19 +196,35 @@ def main() -> int:
         t["mx dgrad: gemm"] = bench(lambda: grouped_mm_nn(dyq, wq_n, offs), smoke)
 
         def wgrad():
-            a, po = fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)
-            b, _ = fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)
+            a, b, po = fake_quantize_grouped_tokens_pair(dy, x, offs, recipe, out_dtype=torch.bfloat16)
             return grouped_mm_tn(a, b, po)
 
         t["mx wgrad"] = bench(wgrad, smoke)
-        a_nl, po = fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)
-        b_kl, _ = fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)
-        t["mx wgrad: quantize dy, x"] = bench(lambda: (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16),
-                                                        fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)), smoke)
+        a_nl, b_kl, po = fake_quantize_grouped_tokens_pair(dy, x, offs, recipe, out_dtype=torch.bfloat16)
+        t["mx wgrad: quantize dy, x"] = bench(
+            lambda: fake_quantize_grouped_tokens_pair(dy, x, offs, recipe, out_dtype=torch.bfloat16), smoke)
+        t["mx wgrad: quantize dy, x (two launches)"] = bench(
+            lambda: (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16),
+                     fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)), smoke)
         t["mx wgrad: gemm"] = bench(lambda: grouped_mm_tn(a_nl, b_kl, po), smoke)
-        # w cached: weight copies made once per optimizer step
-        t["mx fwd, w cached"] = t["mx fwd"] - t["mx fwd: quantize w"]
-        t["mx dgrad, w cached"] = t["mx dgrad"] - t["mx dgrad: quantize w"]
+        pair_exact = all(torch.equal(p.t(), q.t()) for p, q in zip(
+            (a_nl, b_kl), (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)[0],
+                           fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)[0])))
+        # w cached: the copies of weight_copy_cache(), made once per optimizer step
+        wc = w.detach().clone().requires_grad_(True)
+        xr = x.detach().clone().requires_grad_(True)
+        with weight_copy_cache() as cache:
+            out_cached = mx_grouped_mm(xr, wc, offs, recipe)  # makes both copies (one read)
+            wk_c, wn_c = cache.copies(wc, recipe, torch.bfloat16, (-1, -2))  # hits: the copies just made
+            cached_exact = (torch.equal(out_cached, mx_grouped_mm(x, w, offs, recipe))
+                            and torch.equal(wk_c, wq_k) and torch.equal(wn_c, wq_n))
+            t["mx fwd, w cached"] = bench(lambda: grouped_mm_nt(fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16),
+                                                                wk_c, offs), smoke)
+            t["mx dgrad, w cached"] = bench(lambda: grouped_mm_nn(fake_quantize(dy, recipe, dim=1, out_dtype=torch.bfloat16),
+                                                                  wn_c, offs), smoke)
+        del out_cached, wk_c, wn_c, wc, xr
+        t["w copies, one pass (per step)"] = bench(lambda: fake_quantize_rowcol(w, recipe, out_dtype=torch.bfloat16),
+                                                   smoke)
         # exactness: design (a) equals bf16 grouped GEMM of the dequantized operands (same kernel)
         exact = torch.equal(mx_grouped_mm(x, w, offs, recipe), grouped_mm_nt(xq, wq_k, offs))
         if use_tao:
@@ -210,25 +237,33 @@ def main() -> int:
             return flop / t[k] / 1e12 if k in t else None
 
         row = {"T": T, "K": K, "N": N, "E": E, "skewed": skewed, "sizes_min_max": [min(sizes), max(sizes)],
-               "us": {k: v * 1e6 for k, v in t.items()}, "exact_fwd_vs_bf16_of_dequantized": exact}
+               "us": {k: v * 1e6 for k, v in t.items()}, "exact_fwd_vs_bf16_of_dequantized": exact,
+               "exact_wgrad_pair_vs_two_launches": pair_exact, "exact_cached_vs_per_call": cached_exact}
         for op in ("fwd", "dgrad", "wgrad"):
             row[f"ratio {op}"] = t[f"bf16 {op}"] / t[f"mx {op}"]
         for op in ("fwd", "dgrad"):
             row[f"ratio {op}, w cached"] = t[f"bf16 {op}"] / t[f"mx {op}, w cached"]
+            for m in (1, 8):  # derived: the per-step pass shared by the step's 2 M GEMMs that read w
+                amort = t[f"mx {op}, w cached"] + t["w copies, one pass (per step)"] / (2 * m)
+                row[f"ratio {op}, amortized M={m}"] = t[f"bf16 {op}"] / amort
         if "torchao fwd" in t:
             row["x torchao fwd"] = t["torchao fwd"] / t["mx fwd"]
         if "torchao fwd+bwd" in t:
             row["x torchao fwd+bwd"] = t["torchao fwd+bwd"] / (t["mx fwd"] + t["mx dgrad"] + t["mx wgrad"])
         rows.append(row)
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
-        print(f"\n{name}  (sizes {min(sizes)}..{max(sizes)}; design a exact: {exact})")
-        print(f"  {'what':28s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
+        print(f"\n{name}  (sizes {min(sizes)}..{max(sizes)}; design a exact: {exact}; wgrad pair exact: "
+              f"{pair_exact}; cached exact: {cached_exact})")
+        print(f"  {'what':40s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
         for k, v in t.items():
             op = k.split()[1].rstrip(":,") if k.startswith(("mx", "bf16")) else None
             base = t.get(f"bf16 {op}") if op in ("fwd", "dgrad", "wgrad") else None
-            ratio = f"{base / v:7.2f}" if base and ":" not in k else "       "
-            tflops = f"{flop / v / 1e12:8.1f}" if ":" not in k and "fwd+bwd" not in k else "        "
-            print(f"  {k:28s} {v * 1e6:9.1f} {tflops} {ratio}")
+            timed_gemm = ":" not in k and "fwd+bwd" not in k and "copies" not in k
+            ratio = f"{base / v:7.2f}" if base and timed_gemm else "       "
+            tflops = f"{flop / v / 1e12:8.1f}" if timed_gemm else "        "
+            print(f"  {k:40s} {v * 1e6:9.1f} {tflops} {ratio}")
+        print("  amortized per GEMM (cached + per-step pass / 2M): " + ", ".join(
+            f"{op} M={m} {row[f'ratio {op}, amortized M={m}']:.2f}x" for op in ("fwd", "dgrad") for m in (1, 8)))
         for k in ("x torchao fwd", "x torchao fwd+bwd"):
             if k in row:
                 print(f"  {k}: {row[k]:.1f}x")
@@ -240,6 +275,7 @@ def main() -> int:
         name = f"T={r['T']} K={r['K']} N={r['N']} E={r['E']}{' skewed' if r['skewed'] else ''}"
         parts = [f"{op} {r[f'ratio {op}']:.2f}x" for op in ("fwd", "dgrad", "wgrad")]
         parts += [f"{op} w-cached {r[f'ratio {op}, w cached']:.2f}x" for op in ("fwd", "dgrad")]
+        parts += [f"{op} M={m} {r[f'ratio {op}, amortized M={m}']:.2f}x" for op in ("fwd", "dgrad") for m in (1, 8)]
         parts += [f"{k} {r[k]:.1f}x" for k in ("x torchao fwd", "x torchao fwd+bwd") if k in r]
         print(f"  {name:40s} " + ", ".join(parts))
     if args.out:

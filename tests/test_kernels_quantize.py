@@ -250,6 +250,71 @@ def test_grouped_token_dequantized_any_tile(monkeypatch, block_g, block_c):
         assert torch.equal(got.t().cpu().nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(po.cpu(), rpofs)
 
 
+
+@pytest.mark.parametrize("block_g,block_c,fmt,mode,out_dtype", [
+    (1, 32, "e4m3", "rceil", torch.float32), (2, 64, "e5m2", "floor", torch.bfloat16),
+    (4, 32, "e4m3", "floor", torch.bfloat16), (2, 32, "e5m2", "rceil", torch.float32)])
+def test_grouped_token_pair_equals_two_singles(monkeypatch, block_g, block_c, fmt, mode, out_dtype):
+    """The one-launch pair kernel (the wgrad operands dY, X) writes bit for bit what two
+    single-tensor launches write, for either operand taking the first or the second
+    column programs: widths that are and are not multiples of the tile (96, 40, 1),
+    strided input, experts with 0, 1, 31, 33 rows, NaN rows past the end."""
+    monkeypatch.setattr(kq, "_TILE_INTERPRETER", (64, block_c))
+    monkeypatch.setattr(kq, "_GROUPED_TOK_INTERPRETER_G", block_g)
+    sizes = [0, 1, 31, 33, 0, 64]
+    T = sum(sizes) + 5
+    a = hard(T, 96, seed=block_g + block_c)
+    b = hard(2 * T, 40, seed=7)[::2]  # row stride 80: a strided view
+    c = hard(T, 1, seed=8)
+    for t in (a, b, c):
+        t[sum(sizes):] = float("nan")
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    for first, second in ((a, b), (b, a), (c, a), (a, c)):
+        first, second = first.to(DEV), second.to(DEV)
+        want1, po1 = kq.fake_quantize_grouped_colwise(first, offsets, fmt, mode, out_dtype)
+        want2, _ = kq.fake_quantize_grouped_colwise(second, offsets, fmt, mode, out_dtype)
+        got1, got2, po = kq.fake_quantize_grouped_colwise_pair(first, second, offsets, fmt, mode, out_dtype)
+        for got, want in ((got1, want1), (got2, want2)):
+            assert got.shape == want.shape and got.dtype == out_dtype
+            assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(po, po1)
+
+
+def test_grouped_token_pair_ops_level_and_edges():
+    """ops.fake_quantize_grouped_tokens_pair equals two fake_quantize_grouped_tokens calls
+    on both backends (and for operands of different dtypes, which take the two-call
+    path); no tokens and no experts give zeros; mismatched rows are refused."""
+    from mxmoe.ops.quantize import fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair
+    from mxmoe.recipe import get_recipe
+
+    sizes = [5, 0, 40, 19]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    a = hard(70, 64, seed=1).to(DEV)
+    b = hard(70, 33, seed=2).to(DEV)
+    for backend in ("triton", "reference"):
+        r = get_recipe("mxfp8", backend=backend)
+        for bb in (b, b.to(torch.bfloat16)):
+            ga, gb, po = fake_quantize_grouped_tokens_pair(a, bb, offsets, r, out_dtype=torch.float32)
+            wa, wpo = fake_quantize_grouped_tokens(a, offsets, r, out_dtype=torch.float32)
+            wb, _ = fake_quantize_grouped_tokens(bb, offsets, r, out_dtype=torch.float32)
+            assert torch.equal(ga.view(torch.int32), wa.view(torch.int32)) and torch.equal(po, wpo)
+            assert torch.equal(gb.view(torch.int32), wb.view(torch.int32))
+            assert ga.t().is_contiguous() and gb.t().is_contiguous()
+    # no tokens (T = 0) and no experts (E = 0): zero-filled outputs of the padded size
+    for T, offs in ((0, torch.zeros(3, dtype=torch.int32)), (10, torch.zeros(0, dtype=torch.int32))):
+        da, db, po = kq.fake_quantize_grouped_colwise_pair(hard(T, 32, 3, specials=False).to(DEV),
+                                                           hard(T, 8, 4, specials=False).to(DEV), offs.to(DEV))
+        Tp = 32 * (T // 32 + offs.numel())
+        assert da.shape == (Tp, 32) and db.shape == (Tp, 8) and not da.any() and not db.any()
+        assert po.shape == offs.shape
+    with pytest.raises(ValueError, match="same T"):
+        fake_quantize_grouped_tokens_pair(a, b[:69], offsets, get_recipe("mxfp8"), out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="one device|\\(T, CA\\)"):
+        kq.fake_quantize_grouped_colwise_pair(a, b[:69], offsets)
+    with pytest.raises(TypeError, match="out_dtype"):
+        kq.fake_quantize_grouped_colwise_pair(a, b, offsets, out_dtype=torch.float16)
+
 def test_blocked_scales_equal_to_blocked_layout():
     x = hard(200, 96, seed=9)
     _, s_blk = kq.quantize_rowwise(x, blocked=True)
@@ -563,6 +628,14 @@ else:  # the grouped t8 kernel with its H200 settings, and the one-launch layout
                         "SOFT_CASTS": False, "E_POW2": 128, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"],
                         "stride_xc": 1}, g["num_warps"])
     assert "max.NaN.f32" in tok["ptx"] and "ld.global.v4" in tok["ptx"]
+    pair = compile_sm90(tk._mx_grouped_tok_dq_pair_kernel,  # both wgrad operands in one launch
+                        {"a_ptr": "*bf16", "da_ptr": "*bf16", "b_ptr": "*bf16", "db_ptr": "*bf16", "ends_ptr": "*i32",
+                         "block_starts_ptr": "*i32"},
+                        {"ELEM": tk.ELEM_E4M3, "MODE": tk.MODE_RCEIL, "HW_ROUND": kq.TUNING["hw_round"],
+                         "SOFT_CASTS": False, "E_POW2": 128, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"],
+                         "stride_ac": 1, "stride_bc": 1}, g["num_warps"])
+    assert pair["ptx"].count("max.NaN.f32") == 2 * tok["ptx"].count("max.NaN.f32") > 0
+    assert pair["ptx"].count("ld.global.v4") == 2 * tok["ptx"].count("ld.global.v4") > 0
     d = kq.TUNING["dequant_t"]  # dequantize_colwise: the transposed store
     dq_t = compile_sm90(tk._mx_dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16"},
                         {"ELEM": tk.ELEM_E4M3, "SOFT_CASTS": False, "BLOCK_R": d["tile"][0], "BLOCK_C": d["tile"][1],

@@ -3,7 +3,8 @@
 Public API:
 - numerics: :func:`quantize_mx`, :func:`dequantize_mx`, :class:`MXTensor`,
   :func:`to_blocked_scales`, :func:`from_blocked_scales`, :class:`ElemFormat`, :class:`ScaleMode`.
-- recipe and GEMMs: :class:`Recipe`, :func:`get_recipe`, :func:`mx_linear`, :func:`mx_grouped_mm`.
+- recipe and GEMMs: :class:`Recipe`, :func:`get_recipe`, :func:`mx_linear`, :func:`mx_grouped_mm`,
+  :func:`weight_copy_cache` (weight copies made once per optimizer step).
 """
 
 from .numerics import (
@@ -17,7 +18,7 @@ from .numerics import (
     to_blocked_scales,
 )
 
-from .ops import mx_grouped_mm, mx_linear
+from .ops import mx_grouped_mm, mx_linear, weight_copy_cache
 from .recipe import RECIPES, Recipe, get_recipe
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "get_recipe",
     "mx_grouped_mm",
     "mx_linear",
+    "weight_copy_cache",
     "ElemFormat",
     "MXTensor",
     "ScaleMode",

@@ -13,6 +13,7 @@ Ops (FP8 elements only: fmt "e4m3" or "e5m2"; mode "rceil" or "floor"; block siz
 | ``dequantize_colwise`` | codes (K, M), scales (K, M / 32) | values (M, K): the transposed copy back |
 | ``fake_quantize`` | x, dim | dequantize(quantize(x along dim)) in one pass |
 | ``fake_quantize_grouped_colwise`` | x (T, C), offsets | dequantized (Tp, C) (not transposed), padded offsets |
+| ``fake_quantize_grouped_colwise_pair`` | a (T, CA), b (T, CB), offsets | both of the above in one launch |
 
 ``blocked=True`` writes the scales in the Blackwell blocked layout instead (equal to
 :func:`~mxmoe.to_blocked_scales` of the plain scales; for 3-D inputs one blocked matrix
@@ -574,14 +575,17 @@ def _(x, dim, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
 @torch.library.custom_op("mxmoe::fake_quantize_rowcol", mutates_args=())
 def fake_quantize_rowcol(x: Tensor, fmt: str = "e4m3", mode: str = "rceil",
                          out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
-    """``(fake_quantize(x, 1), fake_quantize(x, 0))`` of a 2-D x (T, C) from one read of
-    it (one kernel): (T, C) each, blocked along C and along T; tails zero padded."""
+    """``(fake_quantize(x, -1), fake_quantize(x, -2))`` of x (T, C) or (E, N, K) from one
+    read of it (one kernel): x's shape each, blocked along the last dimension and along
+    the one before it (per expert for 3-D x); tails zero padded."""
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"expected a 2-D (T, C) tensor, got shape {tuple(x.shape)}")
-    out = launch_tile(x.unsqueeze(0), fmt, mode, rowwise=True, colwise=True, col_transpose=False,
-                      write_q=False, dq_dtype=out_dtype, pad=True)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"expected a 2-D (T, C) or 3-D (E, N, K) tensor, got shape {tuple(x.shape)}")
+    out = launch_tile(x if x.dim() == 3 else x.unsqueeze(0), fmt, mode, rowwise=True, colwise=True,
+                      col_transpose=False, write_q=False, dq_dtype=out_dtype, pad=True)
+    if x.dim() == 3:
+        return out["dq_row"], out["dq_col"]
     return out["dq_row"][0], out["dq_col"][0]
 
 
@@ -610,3 +614,56 @@ def _(x, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
     T, C = x.shape
     Tp = BLOCK * (T // BLOCK + offsets.shape[0])
     return x.new_empty(Tp, C, dtype=out_dtype), offsets.new_empty(offsets.shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise_pair", mutates_args=())
+def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                                       out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fake_quantize_grouped_colwise` of two tensors with the same rows (the wgrad
+    operands dY (T, CA) and X (T, CB)) in one launch, the padded layout computed once:
+    returns (Tp, CA), (Tp, CB) and the padded offsets (E,) int32, each bit for bit the
+    single-tensor result.
+
+    Raises:
+        TypeError: out_dtype not float32/bfloat16.
+        ValueError: a or b not 2-D, different row counts or devices, bad offsets.
+    """
+    if out_dtype not in _DQ_DTYPES:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _check_tensor(a, "a")
+    _check_tensor(b, "b")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.device != b.device:
+        raise ValueError(f"expected a (T, CA) and b (T, CB) on one device, got {tuple(a.shape)} on {a.device} "
+                         f"and {tuple(b.shape)} on {b.device}")
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != a.device:
+        raise ValueError(f"offsets must be a 1-D int32 (or int64) tensor on {a.device}, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
+    offsets = offsets.to(torch.int32).contiguous()
+    elem, _, mode_code = _codes(fmt, mode)
+    T, CA = a.shape
+    CB = b.shape[1]
+    E = offsets.numel()
+    block_starts, padded_offsets, Tp = group_layout(offsets, T)
+    da = torch.empty(Tp, CA, dtype=out_dtype, device=a.device)
+    db = torch.empty(Tp, CB, dtype=out_dtype, device=a.device)
+    if not (Tp and E):  # no tokens to read: zeros
+        return da.zero_(), db.zero_(), padded_offsets
+    cfg = _launch_settings("grouped_tok")
+    block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
+    nca, ncb = triton.cdiv(CA, block_c), triton.cdiv(CB, block_c)
+    if nca + ncb == 0:
+        return da, db, padded_offsets
+    tk._mx_grouped_tok_dq_pair_kernel[(nca + ncb, triton.cdiv(Tp // BLOCK, block_g))](
+        a, a.stride(0), a.stride(1), CA, da, nca, b, b.stride(0), b.stride(1), CB, db,
+        T, offsets, block_starts, E, Tp,
+        ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
+        E_POW2=triton.next_power_of_2(E + 1), BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+    )
+    return da, db, padded_offsets
+
+
+@fake_quantize_grouped_colwise_pair.register_fake
+def _(a, b, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
+    Tp = BLOCK * (a.shape[0] // BLOCK + offsets.shape[0])
+    return (a.new_empty(Tp, a.shape[1], dtype=out_dtype), a.new_empty(Tp, b.shape[1], dtype=out_dtype),
+            offsets.new_empty(offsets.shape, dtype=torch.int32))

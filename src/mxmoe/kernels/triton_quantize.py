@@ -1122,6 +1122,30 @@ def _mx_grouped_col_t8_kernel(
 
 
 @triton.jit
+def _grouped_tok_dq_tile(
+    x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, d_ptr, Tp, pid_c, blk0,
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    E_POW2: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One program's tile of :func:`_mx_grouped_tok_dq_kernel`: G padded 32-token blocks
+    from ``blk0`` x BLOCK_C columns from ``pid_c * BLOCK_C``."""
+    i = tl.arange(0, 4 * G)
+    p0 = ((blk0 + i // 4).to(tl.int64) * 32 + 8 * (i % 4))[:, None]  # output row of x_0's rows
+    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, x_ptr,
+                                    pid_c, blk0, E_POW2, G, BLOCK_C, False)
+    _, nf_x, e_x = _col_scales8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
+                                _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
+                                _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), ELEM, MODE, HW_ROUND, True,
+                                G, BLOCK_C)
+    c_in = c_ok[None, :]
+    out_ok = (p0 < Tp) & c_in
+    for k in tl.static_range(8):
+        r, _ = _quantize_values(_widen(xs[k], SOFT_CASTS), e_x, nf_x, ELEM, HW_ROUND, False)
+        tl.store(d_ptr + (p0 + k) * C + cols[None, :],
+                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_ok)
+
+
+@triton.jit
 def _mx_grouped_tok_dq_kernel(
     x_ptr, stride_xt, stride_xc, T, C,
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
@@ -1136,19 +1160,27 @@ def _mx_grouped_tok_dq_kernel(
     (eight tensors x_k (4 G, BLOCK_C), row i of x_k being row 8 (i % 4) + k of block i // 4),
     so a column block reduces in registers plus two shuffles; each x_k is written back to
     its own rows, reads and writes both coalesced along C."""
-    G: tl.constexpr = BLOCK_G
-    blk0 = tl.program_id(1) * G
-    i = tl.arange(0, 4 * G)
-    p0 = ((blk0 + i // 4).to(tl.int64) * 32 + 8 * (i % 4))[:, None]  # output row of x_0's rows
-    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, x_ptr,
-                                    tl.program_id(0), blk0, E_POW2, G, BLOCK_C, False)
-    _, nf_x, e_x = _col_scales8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
-                                _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
-                                _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), ELEM, MODE, HW_ROUND, True,
-                                G, BLOCK_C)
-    c_in = c_ok[None, :]
-    out_ok = (p0 < Tp) & c_in
-    for k in tl.static_range(8):
-        r, _ = _quantize_values(_widen(xs[k], SOFT_CASTS), e_x, nf_x, ELEM, HW_ROUND, False)
-        tl.store(d_ptr + (p0 + k) * C + cols[None, :],
-                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_ok)
+    _grouped_tok_dq_tile(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, d_ptr, Tp,
+                         tl.program_id(0), tl.program_id(1) * BLOCK_G,
+                         ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)
+
+
+@triton.jit
+def _mx_grouped_tok_dq_pair_kernel(
+    a_ptr, stride_at, stride_ac, CA, da_ptr, NCA,  # first tensor (T, CA) -> (Tp, CA); NCA column programs
+    b_ptr, stride_bt, stride_bc, CB, db_ptr,  # second tensor (T, CB) -> (Tp, CB)
+    T, ends_ptr, block_starts_ptr, E, Tp,
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """:func:`_mx_grouped_tok_dq_kernel` of two tensors with the same tokens and experts
+    (the two wgrad operands dY and X) in one launch: column programs 0 .. NCA - 1 take the
+    first, the rest the second. One launch instead of two saves a launch and a tail wave."""
+    pid_c = tl.program_id(0)
+    blk0 = tl.program_id(1) * BLOCK_G
+    if pid_c < NCA:
+        _grouped_tok_dq_tile(a_ptr, stride_at, stride_ac, T, CA, ends_ptr, block_starts_ptr, E, da_ptr, Tp,
+                             pid_c, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)
+    else:
+        _grouped_tok_dq_tile(b_ptr, stride_bt, stride_bc, T, CB, ends_ptr, block_starts_ptr, E, db_ptr, Tp,
+                             pid_c - NCA, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)

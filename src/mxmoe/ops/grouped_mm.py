@@ -20,8 +20,9 @@ from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize, fake_quantize_grouped_tokens
+from .quantize import fake_quantize, fake_quantize_grouped_tokens_pair
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn, use_native_mx_grouped_mm
+from .weight_cache import dgrad_operand, weight_operands
 
 
 class _MXGroupedMMFunction(torch.autograd.Function):
@@ -32,15 +33,15 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         # are row-local along K, the grouped GEMMs read only the groups' rows, the wgrad
         # quantizer only each expert's tokens), and the outputs there are written as zeros
         ctx.native = recipe.quantize and use_native_mx_grouped_mm(x_TK.device, recipe)
+        ctx.wq_dgrad = None
         if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
             ctx.save_for_backward(x_TK, w_ENK, offsets_E)
             ctx.recipe = recipe
             return native_grouped_mm_nt(x_TK, w_ENK, offsets_E, recipe, out_dtype=dtype)
-        if recipe.quantize:
-            xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype)  # along K
-            wq_ENK = fake_quantize(w_ENK, recipe, dim=2, out_dtype=dtype)  # along K
-        else:
-            xq_TK, wq_ENK = x_TK.to(torch.bfloat16), w_ENK.to(torch.bfloat16)
+        # w along K; inside weight_copy_cache() also the dgrad copy (along N), from one read
+        gemm_dtype = dtype if recipe.quantize else torch.bfloat16
+        wq_ENK, ctx.wq_dgrad = weight_operands(w_ENK, recipe, gemm_dtype, dgrad=ctx.needs_input_grad[0])
+        xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
         ctx.save_for_backward(x_TK, w_ENK, offsets_E)
         ctx.recipe = recipe
         return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
@@ -62,9 +63,9 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.quantize:
                 dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
-                wq_ENK = fake_quantize(w_ENK, recipe, dim=1, out_dtype=dtype)  # along N
+                wq_ENK = dgrad_operand(w_ENK, recipe, dtype, ctx.wq_dgrad)  # along N
             else:
-                dyq_TN, wq_ENK = dy_TN.to(torch.bfloat16), w_ENK.to(torch.bfloat16)
+                dyq_TN, wq_ENK = dy_TN.to(torch.bfloat16), dgrad_operand(w_ENK, recipe, torch.bfloat16, ctx.wq_dgrad)
             dx = grouped_mm_nn(dyq_TN, wq_ENK, offsets_E).to(dtype)  # (T, N) x (E, N, K) -> (T, K)
         if ctx.needs_input_grad[1]:
             if not recipe.quantize:
@@ -72,8 +73,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             elif recipe.wgrad_high_precision:
                 a_NL, b_KL, offs = dy_TN.t(), x_TK.t(), offsets_E
             else:  # each expert's tokens blocked separately, in the padded token layout
-                a_NL, offs = fake_quantize_grouped_tokens(dy_TN, offsets_E, recipe, out_dtype=dtype)
-                b_KL, _ = fake_quantize_grouped_tokens(x_TK, offsets_E, recipe, out_dtype=dtype)
+                a_NL, b_KL, offs = fake_quantize_grouped_tokens_pair(dy_TN, x_TK, offsets_E, recipe, out_dtype=dtype)
             dw = grouped_mm_tn(a_NL, b_KL, offs).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
         return dx, dw, None, None
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
 from .quantize import fake_quantize, fake_quantize_rowcol
+from .weight_cache import dgrad_operand, weight_operands
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -39,7 +40,8 @@ class _MXLinearFunction(torch.autograd.Function):
     def forward(ctx, x_TK: Tensor, w_NK: Tensor, recipe: Recipe) -> Tensor:
         dtype = x_TK.dtype
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        wq_NK = fake_quantize(w_NK, recipe, dim=1, out_dtype=dtype)  # along K
+        # along K; inside weight_copy_cache() also the dgrad copy (along N), from one read
+        wq_NK, ctx.wq_dgrad = weight_operands(w_NK, recipe, dtype, dgrad=need_dx)
         if need_dw and not recipe.wgrad_high_precision:  # x along K here, along tokens for wgrad
             xq_TK, x_wgrad_TK = fake_quantize_rowcol(x_TK, recipe, out_dtype=dtype)
         else:
@@ -66,7 +68,7 @@ class _MXLinearFunction(torch.autograd.Function):
                 dyt_TN = dy_TN if recipe.wgrad_high_precision else fake_quantize(dy_TN, recipe, dim=0,
                                                                                  out_dtype=dtype)
         if need_dx:
-            wq_dgrad_NK = fake_quantize(w_NK, recipe, dim=0, out_dtype=dtype)  # along N
+            wq_dgrad_NK = dgrad_operand(w_NK, recipe, dtype, ctx.wq_dgrad)  # along N
             dx = dyq_TN @ wq_dgrad_NK  # (T, N) @ (N, K) -> (T, K)
         if need_dw:
             dw = (dyt_TN.t() @ x_wgrad_TK).to(ctx.w_dtype)  # (N, T) @ (T, K) -> (N, K)
@@ -107,6 +109,6 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
         y = _MXLinearFunction.apply(x_TK, w, recipe)
     else:  # no graph (evaluation under no_grad): only the forward GEMM's copies, not the
         # backward's (ctx.needs_input_grad follows requires_grad, not the grad mode)
-        y = fake_quantize(x_TK, recipe, dim=1, out_dtype=x.dtype) @ fake_quantize(w, recipe, dim=1,
-                                                                               out_dtype=x.dtype).t()
+        wq_NK, _ = weight_operands(w, recipe, x.dtype, dgrad=False)
+        y = fake_quantize(x_TK, recipe, dim=1, out_dtype=x.dtype) @ wq_NK.t()
     return y.reshape(*lead, w.shape[0])

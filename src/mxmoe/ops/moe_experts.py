@@ -46,7 +46,8 @@ from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx, use_triton
 from ..recipe import Recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize, fake_quantize_grouped_tokens
+from .quantize import fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair
+from .weight_cache import dgrad_operand, weight_operands
 
 BLOCK = 32
 GEMM_DTYPE = torch.bfloat16  # operand dtype of the grouped GEMMs (exact for MXFP8 values)
@@ -137,12 +138,13 @@ class _MXExpertsFunction(torch.autograd.Function):
                 recipe: Recipe) -> Tensor:
         xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
         xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
-        w13q = fake_quantize(w13_E2FD, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along D
+        need_dx = ctx.needs_input_grad[0]  # the dgrad copies are made here only inside weight_copy_cache()
+        w13q, ctx.w13q_dgrad = weight_operands(w13_E2FD, recipe, GEMM_DTYPE, dgrad=need_dx)  # along D
         h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E, all_rows=True)  # (A, D) x (E, 2F, D) -> (A, 2F)
         del xq_AD, w13q
         act_AF, hq, hs = swiglu_quantize(h_A2F, recipe)
         del h_A2F
-        w2q = fake_quantize(w2_EDF, recipe, dim=2, out_dtype=GEMM_DTYPE)  # along F
+        w2q, ctx.w2q_dgrad = weight_operands(w2_EDF, recipe, GEMM_DTYPE, dgrad=any(ctx.needs_input_grad))  # F
         y_AD = grouped_mm_nt(act_AF, w2q, offsets_E, all_rows=True)  # (A, F) x (E, D, F) -> (A, D)
         ctx.save_for_backward(w13_E2FD, w2_EDF, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs)
         ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
@@ -156,18 +158,18 @@ class _MXExpertsFunction(torch.autograd.Function):
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
         # w2: dgrad along D, wgrad along tokens
         dyq = fake_quantize(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
-        w2q = fake_quantize(w2, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, D, F) along D
+        w2q = dgrad_operand(w2, recipe, GEMM_DTYPE, ctx.w2q_dgrad)  # (E, D, F) along D
         dact_AF = grouped_mm_nn(dyq, w2q, offsets_E, all_rows=True)  # (A, D) x (E, D, F) -> (A, F)
         del dyq, w2q
         dh_A2F, act_AF = swiglu_backward(hq, hs, dact_AF, recipe)
         del dact_AF
-        dy_t, po = fake_quantize_grouped_tokens(dy_AD, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (D, Ap)
-        act_t, _ = fake_quantize_grouped_tokens(act_AF, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (F, Ap)
+        dy_t, act_t, po = fake_quantize_grouped_tokens_pair(dy_AD, act_AF, offsets_E, recipe,
+                                                            out_dtype=GEMM_DTYPE)  # (D, Ap), (F, Ap)
         dw2 = grouped_mm_tn(dy_t, act_t, po)  # (E, D, F)
         del dy_t, act_t, act_AF
         # w13: dgrad along 2F, wgrad along tokens
         dhq = fake_quantize(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
-        w13q = fake_quantize(w13, recipe, dim=1, out_dtype=GEMM_DTYPE)  # (E, 2F, D) along 2F
+        w13q = dgrad_operand(w13, recipe, GEMM_DTYPE, ctx.w13q_dgrad)  # (E, 2F, D) along 2F
         dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
         del dhq, w13q
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)

@@ -72,31 +72,65 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
     return xq.t(), padded_offsets
 
 
-def fake_quantize_rowcol(x_TC: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(fake_quantize(x, dim=1), fake_quantize(x, dim=0))`` of a 2-D tensor, bit for bit,
-    with one read of x on the Triton backend (the training rule of docs/NUMERICS.md: each
-    copy is quantized from x itself, along the contraction dimension of the GEMM that
-    reads it).
+def fake_quantize_grouped_tokens_pair(a_TC: Tensor, b_TC: Tensor, offsets_E: Tensor, recipe: Recipe,
+                                      out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fake_quantize_grouped_tokens` of the two wgrad operands (dY and X, same rows
+    and experts), bit for bit, in one kernel launch on the Triton backend (the padded
+    layout computed once; on the H200 this saves a launch and a tail wave per wgrad).
 
     Args:
-        x_TC: (T, C) float32/bfloat16/float16, any strides.
+        a_TC: (T, CA), b_TC: (T, CB) float32/bfloat16, rows sorted by expert.
+        offsets_E: (E,) int32 cumulative end rows. recipe, out_dtype: as
+            :func:`fake_quantize_grouped_tokens`.
+
+    Returns:
+        ``(a_CTp, b_CTp, padded_offsets_E)``: (CA, Tp) and (CB, Tp) dequantized values
+        (transposed views of contiguous (Tp, C) tensors) and (E,) int32 padded ends.
+
+    Raises:
+        ValueError: a and b have different row counts.
+    """
+    if a_TC.dim() != 2 or b_TC.dim() != 2 or a_TC.shape[0] != b_TC.shape[0]:
+        raise ValueError(f"expected a (T, CA) and b (T, CB) with the same T, got {tuple(a_TC.shape)} and "
+                         f"{tuple(b_TC.shape)}")
+    if (out_dtype in TRITON_DTYPES and a_TC.dtype == b_TC.dtype
+            and use_triton(a_TC.device, a_TC.dtype, recipe.fmt, recipe.block_size, recipe.backend)):
+        from ..kernels.quantize import fake_quantize_grouped_colwise_pair
+
+        a_TpC, b_TpC, padded_offsets = fake_quantize_grouped_colwise_pair(
+            a_TC, b_TC, offsets_E.to(torch.int32), recipe.fmt.value, recipe.scale_mode.value, out_dtype)
+        return a_TpC.t(), b_TpC.t(), padded_offsets
+    a_CTp, padded_offsets = fake_quantize_grouped_tokens(a_TC, offsets_E, recipe, out_dtype)
+    b_CTp, _ = fake_quantize_grouped_tokens(b_TC, offsets_E, recipe, out_dtype)
+    return a_CTp, b_CTp, padded_offsets
+
+
+def fake_quantize_rowcol(x: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(fake_quantize(x, dim=-1), fake_quantize(x, dim=-2))`` of a 2-D tensor (T, C) or a
+    3-D expert weight (E, N, K), bit for bit, with one read of x on the Triton backend (the
+    training rule of docs/NUMERICS.md: each copy is quantized from x itself, along the
+    contraction dimension of the GEMM that reads it).
+
+    Args:
+        x: (T, C) or (E, N, K) float32/bfloat16/float16, any strides.
         recipe: a quantizing recipe. out_dtype: dtype of both results.
 
     Returns:
-        ``(rows_TC, cols_TC)``: (T, C) each, contiguous; rows blocked along C (32
-        consecutive elements of a row share a scale), cols blocked along T. Tails that are
-        not multiples of 32 are zero padded (exact for the GEMMs).
+        ``(rows, cols)``: x's shape each, contiguous; rows blocked along the last dimension
+        (32 consecutive elements of a row share a scale), cols along the one before it
+        (T, or N within each expert). Tails that are not multiples of 32 are zero padded
+        (exact for the GEMMs).
 
     Raises:
-        ValueError: x is not 2-D.
+        ValueError: x is not 2-D or 3-D.
     """
-    if x_TC.dim() != 2:
-        raise ValueError(f"fake_quantize_rowcol takes a 2-D tensor, got shape {tuple(x_TC.shape)}")
-    if out_dtype in TRITON_DTYPES and x_TC.numel() and use_triton(x_TC.device, x_TC.dtype, recipe.fmt,
-                                                                 recipe.block_size, recipe.backend):
+    if x.dim() not in (2, 3):
+        raise ValueError(f"fake_quantize_rowcol takes a 2-D (T, C) or 3-D (E, N, K) tensor, got shape "
+                         f"{tuple(x.shape)}")
+    if out_dtype in TRITON_DTYPES and x.numel() and use_triton(x.device, x.dtype, recipe.fmt, recipe.block_size,
+                                                              recipe.backend):
         from ..kernels.quantize import fake_quantize_rowcol as kernel
 
-        return kernel(x_TC, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
-    return fake_quantize(x_TC, recipe, dim=1, out_dtype=out_dtype), fake_quantize(x_TC, recipe, dim=0,
-                                                                                  out_dtype=out_dtype)
-
+        return kernel(x, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
+    return (fake_quantize(x, recipe, dim=-1, out_dtype=out_dtype),
+            fake_quantize(x, recipe, dim=-2, out_dtype=out_dtype))
