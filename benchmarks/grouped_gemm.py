@@ -197,7 +197,7 @@ def main() -> int:
 
         def wgrad():
             a, b, po = fake_quantize_grouped_tokens_pair(dy, x, offs, recipe, out_dtype=torch.bfloat16)
-            return grouped_mm_tn(a, b, po)
+            return grouped_mm_tn(a, b, po, nonempty_groups=True)
 
         t["mx wgrad"] = bench(wgrad, smoke)
         a_nl, b_kl, po = fake_quantize_grouped_tokens_pair(dy, x, offs, recipe, out_dtype=torch.bfloat16)
@@ -206,7 +206,7 @@ def main() -> int:
         t["mx wgrad: quantize dy, x (two launches)"] = bench(
             lambda: (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16),
                      fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)), smoke)
-        t["mx wgrad: gemm"] = bench(lambda: grouped_mm_tn(a_nl, b_kl, po), smoke)
+        t["mx wgrad: gemm"] = bench(lambda: grouped_mm_tn(a_nl, b_kl, po, nonempty_groups=True), smoke)
         pair_exact = all(torch.equal(p.t(), q.t()) for p, q in zip(
             (a_nl, b_kl), (fake_quantize_grouped_tokens(dy, offs, recipe, out_dtype=torch.bfloat16)[0],
                            fake_quantize_grouped_tokens(x, offs, recipe, out_dtype=torch.bfloat16)[0])))

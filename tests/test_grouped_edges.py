@@ -257,3 +257,55 @@ def test_size_one_and_odd_widths(K, N, recipe_name):
     if recipe_name == "bf16":  # against a per-expert loop in float32 on the bf16 operands
         want = torch.cat([x[:5].float() @ w[0].bfloat16().float().t(), x[5:12].float() @ w[2].bfloat16().float().t()])
         assert torch.allclose(y.float(), want, rtol=2**-7, atol=1e-6)
+
+
+def test_padded_layout_gives_an_empty_expert_one_zero_block():
+    """The per-expert padded token layout (numerics.grouped): ceil(n / 32) blocks per
+    expert and one for an expert without tokens, within the bound 32 (T // 32 + E); the
+    Blackwell 128-row scale groups keep 0 rows for an empty group (empty_block=False)."""
+    from mxmoe.numerics.grouped import padded_group_layout
+
+    sizes = [0, 1, 32, 33, 0, 0, 64]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    T = sum(sizes) + 5
+    starts, padded, Tp = padded_group_layout(offsets, T)
+    blocks = [max(1, -(-n // 32)) for n in sizes]
+    assert torch.diff(starts).tolist() == blocks and padded.tolist() == (32 * torch.tensor(blocks).cumsum(0)).tolist()
+    assert int(padded[-1]) <= Tp == 32 * (T // 32 + len(sizes))
+    starts128, padded128, _ = padded_group_layout(offsets, T, 128, empty_block=False)
+    assert torch.diff(starts128).tolist() == [-(-n // 128) for n in sizes]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_empty_experts_dw_is_zero_from_the_gemm_itself(backend, monkeypatch):
+    """The MXFP8 wgrad runs on the padded layout with nonempty_groups=True: no zeroing pass
+    runs after the GEMM (it is made to fail here), yet the empty experts' dW is exactly 0,
+    because their one block of zeros is part of the GEMM; a leftover value in the output
+    buffer cannot survive (the GEMM writes every expert's matrix)."""
+    from mxmoe.ops import gemm
+
+    def no_zeroing(*args, **kwargs):
+        raise AssertionError("the padded wgrad must not need a zeroing pass")
+
+    monkeypatch.setattr("mxmoe.kernels.rows.zero_empty_groups_", no_zeroing, raising=False)
+    real_new_empty = torch.Tensor.new_empty
+
+    def garbage_new_empty(self, *shape, **kw):  # fresh float buffers hold NaN, not the allocator's zeros
+        t = real_new_empty(self, *shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", garbage_new_empty)
+    sizes = [162, 0, 257, 46, 0, 83]
+    E, K, N = len(sizes), 64, 40
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), K, requires_grad=True)
+    w = torch.randn(E, N, K, requires_grad=True)
+    seen = []
+    real_tn = gemm.grouped_mm_tn
+    monkeypatch.setattr("mxmoe.ops.grouped_mm.grouped_mm_tn",
+                        lambda *a, **k: seen.append(k.get("nonempty_groups")) or real_tn(*a, **k))
+    mx_grouped_mm(x, w, offsets, get_recipe("mxfp8", backend=backend)).square().sum().backward()
+    assert seen == [True]
+    for e in (1, 4):
+        assert torch.equal(w.grad[e], torch.zeros(N, K))
+    assert torch.isfinite(w.grad).all() and torch.isfinite(x.grad).all()

@@ -536,11 +536,12 @@ def _group_layout_kernel(ends_ptr, E, block_starts_ptr, padded_offsets_ptr, E_PO
     program: ends_ptr (E,) int32 cumulative token ends -> block_starts_ptr (E + 1,) int32
     cumulative 32-token block counts from 0, padded_offsets_ptr (E,) int32 cumulative
     padded token ends (32 x the block counts). Sizes and sums in int64, blocks rounded up
-    by floor division (an arithmetic shift), as the torch function does."""
+    by floor division (an arithmetic shift), at least one per expert, as the torch
+    function does."""
     ge = tl.arange(0, E_POW2)
     ends = tl.load(ends_ptr + ge, mask=ge < E, other=0).to(tl.int64)
     prev = tl.load(ends_ptr + ge - 1, mask=(ge > 0) & (ge < E), other=0).to(tl.int64)
-    blocks = tl.where(ge < E, (ends - prev + 31) >> 5, 0)
+    blocks = tl.where(ge < E, tl.maximum((ends - prev + 31) >> 5, 1), 0)
     total = tl.cumsum(blocks, 0)
     tl.store(block_starts_ptr + ge, tl.zeros_like(ge), mask=ge == 0)
     tl.store(block_starts_ptr + 1 + ge, total.to(tl.int32), mask=ge < E)

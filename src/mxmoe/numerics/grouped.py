@@ -6,10 +6,14 @@ by expert, expert e owning rows offsets[e-1]:offsets[e]) are therefore quantized
 transposed, per-expert padded layout (C, Tp):
 
 - expert e's tokens start at column 32 * block_start[e], where block_start is the
-  exclusive cumulative sum of ceil(n_e / 32); its last block is zero padded;
+  exclusive cumulative sum of max(1, ceil(n_e / 32)); its last block is zero padded, and
+  an expert with no tokens gets one block of zeros, so that a grouped GEMM over this
+  layout writes every expert's weight gradient itself, exact zeros for an empty expert
+  (no separate zeroing pass; ``torch._grouped_mm`` leaves the matrices of empty groups
+  unwritten);
 - Tp = 32 * (T // 32 + E), a bound known without reading the offsets on the host
-  (sum_e ceil(n_e / 32) <= T // 32 + E), so nothing synchronizes; columns past the last
-  expert are zeros with scale byte 0;
+  (sum_e max(1, ceil(n_e / 32)) <= sum_e (n_e // 32 + 1) <= T // 32 + E), so nothing
+  synchronizes; columns past the last expert are zeros with scale byte 0;
 - ``padded_offsets[e] = 32 * block_start[e + 1]`` are the cumulative ends in that layout,
   what a grouped GEMM over the padded token dimension takes.
 
@@ -25,12 +29,16 @@ from .formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from .mx_tensor import quantize_mx
 
 
-def padded_group_layout(offsets_E: Tensor, n_rows: int, block_size: int = MX_BLOCK_SIZE) -> tuple[Tensor, Tensor, int]:
+def padded_group_layout(offsets_E: Tensor, n_rows: int, block_size: int = MX_BLOCK_SIZE,
+                        empty_block: bool = True) -> tuple[Tensor, Tensor, int]:
     """Block starts, padded offsets and padded length of the per-expert layout.
 
     Args:
         offsets_E: (E,) int32/int64 cumulative token ends, non-decreasing, on any device.
         n_rows: T. block_size: tokens per block (32).
+        empty_block: an expert without tokens gets one block of zeros (the MoE wgrad
+            layout, module docstring); False: none (the 128-row groups of the Blackwell
+            scale layout, :func:`mxmoe.ops.sm100.blocked_scales_m_groups`).
 
     Returns:
         ``(block_starts, padded_offsets, Tp)``: int32 (E + 1,) cumulative block counts
@@ -40,16 +48,20 @@ def padded_group_layout(offsets_E: Tensor, n_rows: int, block_size: int = MX_BLO
     ends = offsets_E.to(torch.int64)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     blocks = (sizes + block_size - 1) // block_size
+    if empty_block:
+        blocks = torch.clamp(blocks, min=1)  # an empty expert: one block of zeros
     block_starts = torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)
     padded_offsets = (block_starts[1:] * block_size).to(torch.int32)
     return block_starts, padded_offsets, block_size * (n_rows // block_size + offsets_E.numel())
 
 
-def scatter_to_padded_groups(x_TC: Tensor, offsets_E: Tensor, block_size: int = MX_BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+def scatter_to_padded_groups(x_TC: Tensor, offsets_E: Tensor, block_size: int = MX_BLOCK_SIZE,
+                             empty_block: bool = True) -> tuple[Tensor, Tensor]:
     """(T, C) rows sorted by expert -> (Tp, C) with each expert's rows at its padded start,
-    zeros elsewhere; also returns the padded offsets. No host synchronization."""
+    zeros elsewhere; also returns the padded offsets. No host synchronization.
+    ``empty_block``: as :func:`padded_group_layout`."""
     T, C = x_TC.shape
-    block_starts, padded_offsets, Tp = padded_group_layout(offsets_E, T, block_size)
+    block_starts, padded_offsets, Tp = padded_group_layout(offsets_E, T, block_size, empty_block)
     E = offsets_E.numel()
     if E == 0:
         return x_TC.new_zeros(Tp, C), padded_offsets

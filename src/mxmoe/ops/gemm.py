@@ -182,7 +182,7 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: boo
     return out if all_rows else zero_rows_past_end(out, offsets_E)
 
 
-def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
+def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups: bool = False) -> Tensor:
     """dw[e] = a[:, group e] @ b[:, group e]^T (the wgrad, contraction over tokens L);
     exact zeros for empty groups.
 
@@ -190,6 +190,10 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
         a_NL: (N, L) (dY transposed); b_KL: (K, L) (X transposed); offsets_E: (E,) int32
             cumulative ends of the groups along L (plain or per-expert padded layout).
             Columns past the last offset are not read.
+        nonempty_groups: the caller guarantees that every group has columns, zeros for an
+            expert without tokens (the per-expert padded layout of
+            :mod:`mxmoe.numerics.grouped` gives it one block of zeros): the GEMM then
+            writes every matrix itself and no zeroing pass runs after it.
 
     Returns:
         (E, N, K) in a's dtype.
@@ -210,6 +214,8 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> Tensor:
         out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
             out[e] = a_NL[:, s:t] @ b_KL[:, s:t].t()
+    if nonempty_groups:
+        return out
     if out.device.type == "cuda" and out.is_contiguous() and _triton_available():
         # an output fresh from the GEMM: zero only the empty experts' matrices, in place
         from ..kernels.rows import zero_empty_groups_

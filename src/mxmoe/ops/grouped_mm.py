@@ -74,7 +74,9 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                 a_NL, b_KL, offs = dy_TN.t(), x_TK.t(), offsets_E
             else:  # each expert's tokens blocked separately, in the padded token layout
                 a_NL, b_KL, offs = fake_quantize_grouped_tokens_pair(dy_TN, x_TK, offsets_E, recipe, out_dtype=dtype)
-            dw = grouped_mm_tn(a_NL, b_KL, offs).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
+            # the padded layout gives an empty expert a block of zeros: its dW comes out of the GEMM as 0
+            padded = recipe.quantize and not recipe.wgrad_high_precision
+            dw = grouped_mm_tn(a_NL, b_KL, offs, nonempty_groups=padded).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
         return dx, dw, None, None
 
 

@@ -165,7 +165,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         del dact_AF
         dy_t, act_t, po = fake_quantize_grouped_tokens_pair(dy_AD, act_AF, offsets_E, recipe,
                                                             out_dtype=GEMM_DTYPE)  # (D, Ap), (F, Ap)
-        dw2 = grouped_mm_tn(dy_t, act_t, po)  # (E, D, F)
+        dw2 = grouped_mm_tn(dy_t, act_t, po, nonempty_groups=True)  # (E, D, F); padded layout: empty experts give 0
         del dy_t, act_t, act_AF
         # w13: dgrad along 2F, wgrad along tokens
         dhq = fake_quantize(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
@@ -174,7 +174,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         del dhq, w13q
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
         x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
-        dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets)  # (E, 2F, D)
+        dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets, nonempty_groups=True)  # (E, 2F, D)
         del dh_t, x_t
         # un-permute: each token's k rows summed in a fixed order
         A, D = dx_AD.shape

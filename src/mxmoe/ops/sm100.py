@@ -163,7 +163,7 @@ def blocked_scales_m_groups(scale_TC: Tensor, offsets_E: Tensor) -> Tensor:
         (a bound known without reading the offsets); padding bytes are 0.
     """
     T, C = scale_TC.shape
-    padded, _ = scatter_to_padded_groups(scale_TC.view(torch.uint8), offsets_E, BLOCKED_TILE_ROWS)
+    padded, _ = scatter_to_padded_groups(scale_TC.view(torch.uint8), offsets_E, BLOCKED_TILE_ROWS, empty_block=False)
     R = padded.shape[0]
     return to_blocked_scales(padded.view(scale_TC.dtype)).view(R, _ceil_to(C, BLOCKED_TILE_COLS))
 
