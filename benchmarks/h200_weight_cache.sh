@@ -14,7 +14,7 @@ echo "commit ${COMMIT:-unknown}" | tee -a "$LOG"
 if [ "$PART" = check ]; then
   run 150 python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_moe_experts.py \
       tests/test_kernels_quantize.py -k "grouped_token or rowcol or weight or fused or moe or swiglu or gather"
-  run 120 python3 benchmarks/check_kernels_cuda.py
+  run 240 python3 benchmarks/check_kernels_cuda.py
   run 100 python3 benchmarks/check_grouped_cuda.py --recipes mxfp8
 else
   run 240 python3 benchmarks/grouped_gemm.py --out "$OUT/grouped_gemm.json"
