@@ -225,3 +225,30 @@ def test_the_cache_is_skipped_while_a_cuda_graph_is_captured(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         assert wc.active_cache() is None
     assert wc.active_cache() is None
+
+
+def test_bf16_and_mxfp8_recipes_do_not_share_copies_and_edges():
+    """Breaker findings: the two recipes on one weight get their own copies; a dtype change
+    at the same address invalidates; inference tensors bypass the cache; re-entering one
+    instance frees the copies at the outermost exit."""
+    x = spread(64, 64, seed=20).bfloat16()
+    w = spread(2, 64, 64, seed=21)
+    offs = torch.tensor([32, 64], dtype=torch.int32, device=DEV)
+    for first, second in (("mxfp8", "bf16"), ("bf16", "mxfp8")):
+        want = mxmoe.mx_grouped_mm(x, w, offs, second)
+        with mxmoe.weight_copy_cache():
+            mxmoe.mx_grouped_mm(x, w, offs, first)
+            assert same(mxmoe.mx_grouped_mm(x, w, offs, second), want), (first, second)
+    with torch.inference_mode():
+        wi = spread(32, 64, seed=22)
+        with mxmoe.weight_copy_cache() as cache:
+            mxmoe.mx_linear(x, wi, "mxfp8")
+            assert cache.misses == 0
+    cm = mxmoe.weight_copy_cache()
+    wl = spread(32, 64, seed=23)
+    with cm as c:
+        with cm:
+            mxmoe.mx_linear(x, wl, "mxfp8")
+        assert len(c) == 1
+    assert len(c) == 0
+    assert wc.active_cache() is None

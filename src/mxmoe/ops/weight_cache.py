@@ -3,7 +3,7 @@
 The MXFP8 GEMMs quantize each weight along the contraction dimension of the GEMM that
 reads it: the forward along K (w_NK / w_ENK blocked along its last dimension) and the
 dgrad along N (blocked along the dimension before it). Made per call, each copy is a
-read and a write of the whole weight; at E = 64 experts that is 22-45% of the grouped
+read and a write of the whole weight; at E = 64 experts that is 22-43% of the grouped
 GEMM's time on the H200 (benchmarks/results/h200_wgrad/). A weight changes only at the
 optimizer step, so with gradient accumulation over M micro-batches one quantization per
 step can serve all 2M of those GEMMs. Transformer Engine does the same for its FP8
@@ -21,20 +21,28 @@ Inside the context, the first forward that uses a weight makes both of its copie
 from one read of the weight where the Triton backend runs (:func:`~mxmoe.ops.quantize.fake_quantize_rowcol`).
 Later calls reuse the copies while the weight is unchanged: the same tensor, storage,
 shape and version counter (in-place updates such as ``optimizer.step()`` bump the counter,
-so a stale copy is never used). Leaving the outermost context frees the copies. A
+so updates by the usual optimizers are seen; see the list of exceptions below).
+Leaving the outermost context frees the copies. A
 backward that runs after the context has closed still gets the dgrad copy made in its
 forward, because the autograd ops keep that copy with their saved state.
 
-Under the bf16 recipe the cached copy is the weight's bf16 cast (one copy serves both
+In ``mx_grouped_mm`` under the bf16 recipe the cached copy is the weight's bf16 cast (one copy serves both
 GEMMs), so BF16 and MXFP8 runs with gradient accumulation compare like for like.
 
-Costs: the MXFP8 copies take 2 x the weight's elements in the GEMM dtype (bf16) while the
+Costs: the MXFP8 copies take 2 x the weight's elements in the GEMM operand dtype while the
 context is open. The cache is skipped, and every call quantizes, while a CUDA graph is
 being captured: a replay would otherwise keep reading copies made before the optimizer's
 update. Numerics do not change: a cached copy is bit for bit the per-call copy.
 
-Writing a weight through ``w.data`` does not bump its version counter (a PyTorch rule);
-do not modify weights that way inside the context.
+Update weights outside the context: open it per optimizer step and call
+``optimizer.step()`` after leaving it. Some writes do not bump a tensor's version counter,
+so a copy made before them would be reused: writes through ``w.data`` (also
+``Module.to()`` round trips, which reassign ``.data``), fused optimizers
+(``torch.optim.AdamW(fused=True)`` on this CPU build), ``torch.distributed`` in-place
+collectives (broadcast, all_reduce). The cache is process-wide (autograd runs CUDA
+backwards on its own threads), not used under ``torch.compile`` tracing, nor for
+inference tensors. The copies are in the GEMM's operand dtype (bf16 for bf16
+activations and the fused MoE op; float32 for float32 activations).
 """
 
 from __future__ import annotations
@@ -58,11 +66,13 @@ class _Entry:
     version: int
     data_ptr: int
     shape: tuple[int, ...]
+    dtype: torch.dtype
+    strides: tuple[int, ...]
     copies: dict[int, Tensor] = field(default_factory=dict)  # blocked dim -> dequantized copy
 
     def valid_for(self, w: Tensor) -> bool:
         return (self.ref() is w and self.version == w._version and self.data_ptr == w.data_ptr()
-                and self.shape == tuple(w.shape))
+                and self.shape == tuple(w.shape) and self.dtype == w.dtype and self.strides == w.stride())
 
 
 class WeightCopyCache:
@@ -94,7 +104,7 @@ class WeightCopyCache:
     def copies(self, w: Tensor, recipe: Recipe, out_dtype: torch.dtype, dims: tuple[int, ...]) -> tuple[Tensor, ...]:
         """The copies of ``w`` blocked along each of ``dims`` (FWD_DIM, DGRAD_DIM), made
         on a miss (both from one read when both are missing) and kept."""
-        key = (id(w), recipe.fmt, recipe.scale_mode, recipe.block_size, recipe.backend, out_dtype)
+        key = (id(w), recipe.quantize, recipe.fmt, recipe.scale_mode, recipe.block_size, recipe.backend, out_dtype)
         entry = self._entries.get(key)
         if entry is None or not entry.valid_for(w):
             entries = self._entries
@@ -103,7 +113,7 @@ class WeightCopyCache:
                 if (e := entries.get(key)) is not None and e.ref is ref:
                     del entries[key]
 
-            entry = _Entry(weakref.ref(w, drop), w._version, w.data_ptr(), tuple(w.shape))
+            entry = _Entry(weakref.ref(w, drop), w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.stride())
             entries[key] = entry
         if not recipe.quantize:  # a plain cast (the bf16 recipe): one copy serves both GEMMs
             hit = FWD_DIM in entry.copies
@@ -135,19 +145,23 @@ class weight_copy_cache:  # noqa: N801 (a context manager used like a function, 
     """
 
     def __enter__(self) -> WeightCopyCache:
-        self._outer = not _ACTIVE
-        _ACTIVE.append(WeightCopyCache() if self._outer else _ACTIVE[-1])
+        _ACTIVE.append(WeightCopyCache() if not _ACTIVE else _ACTIVE[-1])
         return _ACTIVE[-1]
 
     def __exit__(self, *exc) -> None:
         cache = _ACTIVE.pop()
-        if self._outer:
+        if not _ACTIVE:  # the outermost context (also when one instance is re-entered)
             cache.clear()
 
 
-def active_cache() -> WeightCopyCache | None:
-    """The open cache, or None outside a context and while a CUDA graph is captured."""
+def active_cache(w: Tensor | None = None) -> WeightCopyCache | None:
+    """The open cache, or None outside a context, while a CUDA graph is captured, under
+    ``torch.compile`` tracing, and for an inference tensor ``w`` (no version counter)."""
     if not _ACTIVE:
+        return None
+    if w is not None and w.is_inference():
+        return None
+    if torch.compiler.is_compiling():
         return None
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
@@ -161,7 +175,7 @@ def weight_operands(w: Tensor, recipe: Recipe, out_dtype: torch.dtype, dgrad: bo
     it then, so it does not live from forward to backward. For a recipe that does not
     quantize (bf16) both operands are ``w`` cast to ``out_dtype``, cached the same way, so
     that a BF16 baseline gets the same once-per-step treatment."""
-    cache = active_cache()
+    cache = active_cache(w)
     if not recipe.quantize and (cache is None or w.dtype == out_dtype):
         return w.to(out_dtype), (w.to(out_dtype) if dgrad and cache is not None else None)
     if cache is None:
@@ -176,7 +190,7 @@ def dgrad_operand(w: Tensor, recipe: Recipe, out_dtype: torch.dtype, made: Tenso
     the cache if one is open, else quantized now."""
     if made is not None:
         return made
-    cache = active_cache()
+    cache = active_cache(w)
     if not recipe.quantize and (cache is None or w.dtype == out_dtype):
         return w.to(out_dtype)
     if cache is None:
