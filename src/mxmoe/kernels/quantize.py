@@ -407,6 +407,21 @@ def group_layout(offsets: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
     return block_starts, padded_offsets, BLOCK * (T // BLOCK + E)
 
 
+def _checked_offsets(offsets: Tensor, device: torch.device) -> Tensor:
+    """offsets as the grouped kernels index them: dense int32 on ``device``; ValueError otherwise."""
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != device:
+        raise ValueError(f"offsets must be a 1-D int32 (or int64) tensor on {device}, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
+    return offsets.to(torch.int32).contiguous()
+
+
+def _grouped_tok_settings() -> tuple[dict, int, int]:
+    """Launch settings of the dequantized grouped kernels: (settings, block_g, block_c)."""
+    cfg = _launch_settings("grouped_tok")
+    block_g = _GROUPED_TOK_INTERPRETER_G if interpreting() else cfg["block_g"]
+    return cfg, block_g, cfg["block_c"]
+
+
 def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bool,
                     dq_dtype: torch.dtype | None, blocked: bool, src: Tensor | None = None) -> dict[str, Tensor]:
     """src: optional (A,) int64 row of x for each sorted row (the token permute fused into
@@ -414,10 +429,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     _check_tensor(x)
     if x.dim() != 2:
         raise ValueError(f"x must be (T, C), got shape {tuple(x.shape)}")
-    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != x.device:
-        raise ValueError(f"offsets must be a 1-D int32 (or int64) tensor on {x.device}, got {offsets.dtype} "
-                         f"{tuple(offsets.shape)} on {offsets.device}")
-    offsets = offsets.to(torch.int32).contiguous()  # the kernel indexes it densely
+    offsets = _checked_offsets(offsets, x.device)
     elem, q_dtype, mode_code = _codes(fmt, mode)
     T, C = x.shape
     if src is not None:
@@ -449,8 +461,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         # only the t8 codes kernel fuses the gather: the others read the gathered rows (T counts them)
         x, src = x.index_select(0, src.to(torch.int64)), None
     if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
-        cfg = _launch_settings("grouped_tok")
-        block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
+        cfg, block_g, block_c = _grouped_tok_settings()
         tk._mx_grouped_tok_dq_kernel[(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g))](
             x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, dq, Tp,
             ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], E_POW2=e_pow2,
@@ -635,10 +646,7 @@ def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fm
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.device != b.device:
         raise ValueError(f"expected a (T, CA) and b (T, CB) on one device, got {tuple(a.shape)} on {a.device} "
                          f"and {tuple(b.shape)} on {b.device}")
-    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != a.device:
-        raise ValueError(f"offsets must be a 1-D int32 (or int64) tensor on {a.device}, got {offsets.dtype} "
-                         f"{tuple(offsets.shape)} on {offsets.device}")
-    offsets = offsets.to(torch.int32).contiguous()
+    offsets = _checked_offsets(offsets, a.device)
     elem, _, mode_code = _codes(fmt, mode)
     T, CA = a.shape
     CB = b.shape[1]
@@ -648,8 +656,7 @@ def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fm
     db = torch.empty(Tp, CB, dtype=out_dtype, device=a.device)
     if not (Tp and E):  # no tokens to read: zeros
         return da.zero_(), db.zero_(), padded_offsets
-    cfg = _launch_settings("grouped_tok")
-    block_g, block_c = (_GROUPED_TOK_INTERPRETER_G, cfg["block_c"]) if interpreting() else (cfg["block_g"], cfg["block_c"])
+    cfg, block_g, block_c = _grouped_tok_settings()
     nca, ncb = triton.cdiv(CA, block_c), triton.cdiv(CB, block_c)
     if nca + ncb == 0:
         return da, db, padded_offsets
