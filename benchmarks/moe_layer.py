@@ -75,8 +75,9 @@ def activation_bytes(m, x, dev):
     return kept
 
 
-def breakdown(m, x, dy):
-    """CUDA time per stage of one forward + backward (torch.profiler kernel names)."""
+def breakdown(m, x, dy, top=None):
+    """CUDA time per stage of one forward + backward (torch.profiler kernel names); with
+    ``top`` also the ``top`` largest kernels of the "other" class as {name: us}."""
     from torch.profiler import ProfilerActivity, profile
 
     step(m, x, dy)
@@ -85,6 +86,7 @@ def breakdown(m, x, dy):
         step(m, x, dy)
         torch.cuda.synchronize()
     cats = defaultdict(float)
+    others = {}
     for e in prof.key_averages():
         name = e.key.lower()
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
@@ -103,14 +105,21 @@ def breakdown(m, x, dy):
             cat = "router + dispatch"
         else:
             cat = "other (combine, casts, elementwise)"
+            others[e.key[:90]] = others.get(e.key[:90], 0.0) + us
         cats[cat] += us
-    return dict(cats)
+    if top is None:
+        return dict(cats)
+    return dict(cats), dict(sorted(others.items(), key=lambda kv: -kv[1])[:top])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile'd bf16 and fused mxfp8 layers (Inductor fuses the "
+                         "elementwise ops: the stronger BF16 baseline)")
+    ap.add_argument("--top", type=int, default=0, help="list the N largest kernels of the 'other' class")
     args = ap.parse_args()
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
@@ -132,6 +141,22 @@ def main() -> int:
         dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         t = {name: bench(lambda m=m: step(m, x, dy), smoke) for name, m in
              (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
+        compiled, compile_errors = {}, {}
+        if args.compile:
+            for name, m in (("bf16 compiled", bf), ("mxfp8 fused compiled", mx)):
+                try:
+                    cm = torch.compile(m)
+                    t0 = time.perf_counter()
+                    step(cm, x, dy)
+                    step(cm, x, dy)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    print(f"  {name}: compiled and ran twice in {time.perf_counter() - t0:.1f} s", flush=True)
+                    t[name] = bench(lambda m=cm: step(m, x, dy), smoke)
+                    compiled[name] = cm
+                except Exception as exc:  # report and go on: the eager rows stand on their own
+                    compile_errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"  {name}: torch.compile failed: {compile_errors[name]}", flush=True)
         copies_mb = {}
         for name, m in (("bf16", bf), ("mxfp8 fused", mx)):
             with weight_copy_cache() as cache:  # steady state of gradient accumulation: copies made once
@@ -140,17 +165,24 @@ def main() -> int:
                 copies_mb[f"{name}, w cached"] = cache.nbytes / 1e6
         mem = {name: activation_bytes(m, x, dev) for name, m in
                (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
+        mem.update({name: activation_bytes(m, x, dev) for name, m in compiled.items()})
         mem.update({name: None for name in copies_mb})
         row = {"T": T, "D": D, "F": F, "E": E, "k": k, "ms": {n: v * 1e3 for n, v in t.items()},
                "speed_vs_bf16": {n: t["bf16"] / v for n, v in t.items()},
                "activation_MB": {n: (v / 1e6 if v is not None else None) for n, v in mem.items()},
                "weight_copies_MB": copies_mb,
                "speed_w_cached_vs_bf16_w_cached": t["bf16, w cached"] / t["mxfp8 fused, w cached"]}
+        if compile_errors:
+            row["compile_errors"] = compile_errors
         if mem["bf16"]:
             row["memory_vs_bf16"] = {n: v / mem["bf16"] for n, v in mem.items() if v is not None}
         if not smoke:
-            row["breakdown_us_mxfp8_fused"] = breakdown(mx, x, dy)
-            row["breakdown_us_bf16"] = breakdown(bf, x, dy)
+            if args.top:
+                row["breakdown_us_mxfp8_fused"], row["top_other_us_mxfp8_fused"] = breakdown(mx, x, dy, args.top)
+                row["breakdown_us_bf16"], row["top_other_us_bf16"] = breakdown(bf, x, dy, args.top)
+            else:
+                row["breakdown_us_mxfp8_fused"] = breakdown(mx, x, dy)
+                row["breakdown_us_bf16"] = breakdown(bf, x, dy)
         rows.append(row)
         print(f"\nT={T} D={D} F={F} E={E} k={k}")
         for n in t:
@@ -162,7 +194,12 @@ def main() -> int:
         for key in ("breakdown_us_mxfp8_fused", "breakdown_us_bf16"):
             if key in row:
                 print(f"  {key}: " + ", ".join(f"{c} {v / 1e3:.2f} ms" for c, v in sorted(row[key].items())))
-        del bf, mx, mxc, x, dy
+        for key in ("top_other_us_mxfp8_fused", "top_other_us_bf16"):
+            if key in row:
+                print(f"  {key}:")
+                for name, us in row[key].items():
+                    print(f"    {us / 1e3:7.3f} ms  {name}")
+        del bf, mx, mxc, x, dy, compiled
         if not smoke:
             torch.cuda.empty_cache()
     print(f"\nsummary (targets: fused fwd+bwd >= {TARGET_SPEED}x bf16 speed, activations <= {TARGET_MEMORY}x bf16):")
@@ -172,7 +209,10 @@ def main() -> int:
         print(f"  T={r['T']} D={r['D']} F={r['F']} E={r['E']} k={r['k']}: speed {sp:.2f}x "
               f"({'met' if sp >= TARGET_SPEED else 'MISSED'}), memory "
               + (f"{mv:.2f}x ({'met' if mv <= TARGET_MEMORY else 'MISSED'})" if mv is not None else "n/a")
-              + f"; with weight copies cached (both layers): {r['speed_w_cached_vs_bf16_w_cached']:.2f}x")
+              + f"; with weight copies cached (both layers): {r['speed_w_cached_vs_bf16_w_cached']:.2f}x"
+              + (f"; mxfp8 fused / bf16 both compiled: {r['ms']['bf16 compiled'] / r['ms']['mxfp8 fused compiled']:.2f}x"
+                 f", eager mxfp8 fused / bf16 compiled: {r['ms']['bf16 compiled'] / r['ms']['mxfp8 fused']:.2f}x"
+                 if 'bf16 compiled' in r['ms'] and 'mxfp8 fused compiled' in r['ms'] else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     return 0
