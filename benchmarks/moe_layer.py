@@ -9,9 +9,13 @@ Same weights, same tokens, same process. For each shape (T tokens, D, F, E exper
   quantize, GEMMs, SwiGLU, quantize passes, combine), from the CUDA-event profiler;
 - "w cached": bf16 and mxfp8 fused inside ``mxmoe.weight_copy_cache()`` with the copies
   already made, i.e. micro-batches 2..M of a gradient-accumulation step (the bf16 layer's
-  weight casts cached the same way), and the bytes the copies take.
+  weight casts cached the same way), and the bytes the copies take;
+- with ``--compile``: the bf16 and fused mxfp8 layers under ``torch.compile`` (Inductor
+  fuses the router, combine and elementwise ops of both; the expert kernels stay our custom
+  ops), the stronger baseline a user who compiles their model compares against;
+- with ``--top N``: the N largest kernels of the breakdown's "other" class per layer.
 
-    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out results.json] [--smoke]
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out results.json] [--smoke] [--compile] [--top N]
 
 Prints tables and writes JSON with the GPU name, torch/Triton versions and commit (env COMMIT).
 """

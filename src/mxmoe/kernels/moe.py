@@ -9,6 +9,11 @@
 
 D and F must be multiples of 32 (the callers in :mod:`mxmoe.ops.moe_experts` check and
 otherwise take the composed path). FP8 element formats only.
+
+Each function is a ``torch.library`` custom op (``mxmoe::...``) with a fake (meta)
+implementation, as are the quantizers of :mod:`mxmoe.kernels.quantize`: under
+``torch.compile`` the launches stay opaque calls, so Dynamo and Inductor never trace or
+recompile the Triton kernels themselves (Inductor failed to build one of them on the H200).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def _check(t: Tensor, name: str, width: int) -> None:
         raise ValueError(f"{name}'s blocked width is {width}, not a multiple of {BLOCK}")
 
 
+@torch.library.custom_op("mxmoe::gather_fake_quantize_rows", mutates_args=())
 def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode: str,
                                      out_dtype: torch.dtype) -> Tensor:
     """out[a] = dequantize(quantize(x[src[a]], blocks along D)): the token permute fused
@@ -59,6 +65,12 @@ def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode
     return out
 
 
+@triton_gather_fake_quantize_rows.register_fake
+def _(x_TD, src_A, fmt, mode, out_dtype):
+    return x_TD.new_empty(src_A.numel(), x_TD.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("mxmoe::quantize_grouped_gather", mutates_args=())
 def triton_quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, fmt: str,
                                    mode: str) -> tuple[Tensor, Tensor, Tensor]:
     """Codes (D, Ap) and scales (D, Ap / 32) of x[src] quantized along tokens, each expert's
@@ -78,6 +90,16 @@ def triton_quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tenso
     return out["q"], out["s"], out["padded_offsets"]
 
 
+@triton_quantize_grouped_gather.register_fake
+def _(x_TD, src_A, offsets_E, fmt, mode):
+    D, A, E = x_TD.shape[1], src_A.numel(), offsets_E.numel()
+    Ap = BLOCK * (A // BLOCK + E)
+    return (x_TD.new_empty(D, Ap, dtype=_codes(fmt, mode)[1]),
+            x_TD.new_empty(D, Ap // BLOCK, dtype=torch.float8_e8m0fnu),
+            x_TD.new_empty(E, dtype=torch.int32))
+
+
+@torch.library.custom_op("mxmoe::swiglu_quantize", mutates_args=())
 def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.dtype
                            ) -> tuple[Tensor, Tensor, Tensor]:
     """From h = [gate | up] (A, 2F), contiguous: act = silu(gate) * up (float32 math) as
@@ -101,6 +123,14 @@ def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.
     return act, hq.view(q_dtype), hs.view(torch.float8_e8m0fnu)
 
 
+@triton_swiglu_quantize.register_fake
+def _(h_A2F, fmt, mode, act_dtype):
+    A, F2 = h_A2F.shape
+    return (h_A2F.new_empty(A, F2 // 2, dtype=act_dtype), h_A2F.new_empty(A, F2, dtype=_codes(fmt, mode)[1]),
+            h_A2F.new_empty(A, F2 // BLOCK, dtype=torch.float8_e8m0fnu))
+
+
+@torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
 def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype
                            ) -> tuple[Tensor, Tensor]:
     """d(gate) | d(up) (A, 2F) and the recomputed act = silu(gate) * up (A, F), both in
@@ -117,3 +147,9 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
             hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act, ELEM=elem,
             SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return dh, act
+
+
+@triton_swiglu_backward.register_fake
+def _(hq, hs, dact_AF, out_dtype):
+    A, F = dact_AF.shape
+    return dact_AF.new_empty(A, 2 * F, dtype=out_dtype), dact_AF.new_empty(A, F, dtype=out_dtype)

@@ -292,6 +292,26 @@ def launch_along_dim(x: Tensor, dim: int, fmt: str, mode: str, *, write_q: bool 
     return result
 
 
+@torch.library.custom_op("mxmoe::quantize_along_dim", mutates_args=())
+def quantize_along_dim(x: Tensor, dim: int, fmt: str = "e4m3", mode: str = "rceil",
+                       pad: bool = False) -> tuple[Tensor, Tensor]:
+    """:func:`launch_along_dim`'s codes and scales as a custom op (what
+    :func:`mxmoe.numerics.quantize_mx` runs on the Triton backend). x any rank, dim
+    non-negative; returns codes (x's shape, dim padded to 32) FP8 and scales (that shape
+    with dim divided by 32) E8M0."""
+    out = launch_along_dim(x, dim, fmt, mode, pad=pad)
+    return out["q"], out["s"]
+
+
+@quantize_along_dim.register_fake
+def _(x, dim, fmt="e4m3", mode="rceil", pad=False):
+    padded = list(x.shape)
+    padded[dim] = _ceil_to(padded[dim], BLOCK)
+    scale_shape = list(padded)
+    scale_shape[dim] //= BLOCK
+    return x.new_empty(padded, dtype=_codes(fmt, mode)[1]), x.new_empty(scale_shape, dtype=torch.float8_e8m0fnu)
+
+
 def _squeeze_to(t: Tensor, was_2d: bool) -> Tensor:
     return t.squeeze(0) if was_2d else t
 

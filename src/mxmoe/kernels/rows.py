@@ -35,12 +35,23 @@ def zero_rows_past_end_(out_TC: Tensor, offsets_E: Tensor) -> Tensor:
     returns it. offsets_E: (E,) int32/int64 on the same device, E >= 1."""
     if not out_TC.is_contiguous() or out_TC.dim() != 2:
         raise ValueError(f"zero_rows_past_end_ needs a contiguous 2-D tensor, got shape {tuple(out_TC.shape)}")
+    _zero_rows_past_end_op(out_TC, offsets_E)
+    return out_TC
+
+
+# torch.library custom ops (in place): under torch.compile the launches stay opaque calls
+@torch.library.custom_op("mxmoe::zero_rows_past_end", mutates_args=("out_TC",))
+def _zero_rows_past_end_op(out_TC: Tensor, offsets_E: Tensor) -> None:
     T, C = out_TC.shape
     if T and C:
         grid = (triton.cdiv(C, BLOCK_C), triton.cdiv(T, BLOCK_R))
         _zero_rows_from_kernel[grid](out_TC, offsets_E.contiguous(), offsets_E.numel(), T, C,
                                      BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
-    return out_TC
+
+
+@_zero_rows_past_end_op.register_fake
+def _(out_TC, offsets_E):
+    return None
 
 
 CHUNK = 1 << 16  # elements of one expert's matrix per program of the empty-group kernel
@@ -77,11 +88,22 @@ def zero_empty_groups_(out_ENK: Tensor, offsets_E: Tensor) -> Tensor:
                          f"{tuple(offsets_E.shape)}")
     if offsets_E.device != out_ENK.device:
         raise ValueError(f"offsets are on {offsets_E.device}, the output on {out_ENK.device}")
+    _zero_empty_groups_op(out_ENK, offsets_E)
+    return out_ENK
+
+
+@torch.library.custom_op("mxmoe::zero_empty_groups", mutates_args=("out_ENK",))
+def _zero_empty_groups_op(out_ENK: Tensor, offsets_E: Tensor) -> None:
+    E = out_ENK.shape[0]
     MN = out_ENK[0].numel() if E else 0
     if E and MN:
         _zero_empty_groups_kernel[(E, triton.cdiv(MN, CHUNK))](out_ENK, offsets_E.contiguous(), MN,
                                                                CHUNK=CHUNK, BLOCK=4096, num_warps=8)
-    return out_ENK
+
+
+@_zero_empty_groups_op.register_fake
+def _(out_ENK, offsets_E):
+    return None
 
 
 __all__ = ["zero_empty_groups_", "zero_rows_past_end_"]

@@ -199,10 +199,10 @@ def quantize_mx(
     remainder = size % block_size
     check_block_multiple(size, dim, block_size, pad)
     if use_triton(x.device, x.dtype, fmt, block_size, backend):
-        from ..kernels.quantize import launch_along_dim
+        from ..kernels.quantize import quantize_along_dim
 
-        out = launch_along_dim(x, dim, fmt.value, scale_mode.value, pad=pad)
-        return MXTensor(out["q"], out["s"], fmt, block_size, dim, scale_mode, size)
+        q, s = quantize_along_dim(x, dim, fmt.value, scale_mode.value, pad)
+        return MXTensor(q, s, fmt, block_size, dim, scale_mode, size)
     if remainder:
         x = zero_pad_to_block(x, dim, block_size)
     blocks = blocked_view(x.contiguous(), dim, block_size)

@@ -12,14 +12,26 @@ Legend: T tokens, K / N contraction and output features, E experts.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import Tensor
 
 
-@functools.cache
+_GROUPED_MM_SUPPORTED: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def _grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs for (device type, dtype): probed once per key. A plain
+    dict, not functools.cache, so that torch.compile reads the cached answer instead of
+    tracing the probe (Dynamo traces through functools.cache wrappers)."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_SUPPORTED:
+        _GROUPED_MM_SUPPORTED[key] = _probe_grouped_mm(device_type, dtype)
+    return _GROUPED_MM_SUPPORTED[key]
+
+
+@torch.compiler.disable  # first call under torch.compile: run the probe eagerly
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device_type == "cuda":
@@ -91,11 +103,15 @@ def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-@functools.cache
-def _triton_available() -> bool:
-    import importlib.util
+_TRITON_AVAILABLE: list[bool] = []
 
-    return importlib.util.find_spec("triton") is not None
+
+def _triton_available() -> bool:
+    if not _TRITON_AVAILABLE:  # a plain cache: torch.compile reads it (see _grouped_mm_supported)
+        import importlib.util
+
+        _TRITON_AVAILABLE.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON_AVAILABLE[0]
 
 
 def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
@@ -104,12 +120,13 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
     On CUDA this stays free of host synchronization: a contiguous 2-D x (the GEMM outputs
     here, which nothing else references yet) is zeroed in place by a kernel that reads the
     last offset on the device (:mod:`mxmoe.kernels.rows`), other layouts through a mask. On
-    the CPU reading the last offset costs nothing and the common case is a no-op.
+    the CPU reading the last offset costs nothing and the common case is a no-op (under
+    torch.compile the mask, which needs no host read).
     """
     T = x_TC.shape[0]
     if offsets_E.numel() == 0:
         return torch.zeros_like(x_TC)
-    if x_TC.device.type == "cpu":
+    if x_TC.device.type == "cpu" and not torch.compiler.is_compiling():
         n = int(offsets_E[-1])
         if n >= T:
             return x_TC

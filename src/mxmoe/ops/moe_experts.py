@@ -208,9 +208,10 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
-        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU also
-            offsets[-1] != A or a token not appearing exactly k times (on CUDA these
-            preconditions are not checked: it would cost a host sync).
+        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU in eager
+            mode also offsets[-1] != A or a token not appearing exactly k times (on CUDA
+            and under torch.compile these preconditions are not checked: it would cost a
+            host sync or a graph break).
     """
     E, F2, D = w13_E2FD.shape
     if not supports_fused_experts(D, F2 // 2, recipe):
@@ -222,7 +223,8 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     T, A = x_TD.shape[0], src_A.numel()
     if (T == 0) != (A == 0) or (T and A % T):
         raise ValueError(f"src_A has {A} rows, not a multiple of T={T}")
-    if x_TD.device.type == "cpu" and A:  # free here; on CUDA reading them back would sync
+    if x_TD.device.type == "cpu" and A and not torch.compiler.is_compiling():
+        # free here in eager mode; on CUDA reading them back would sync
         k = A // T
         if int(offsets_E[-1]) != A:
             raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} but src_A has {A} rows: every row must "

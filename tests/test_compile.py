@@ -1,0 +1,166 @@
+"""torch.compile over the library.
+
+Every Triton launch must sit inside a ``torch.library`` custom op with a fake
+implementation: then Dynamo traces the MoE layer into one graph and Inductor treats the
+kernels as opaque calls. A bare ``kernel[grid](...)`` reached while tracing is what broke
+``torch.compile`` of the fused MXFP8 layer on the H200 (Inductor tried to rebuild
+``_mx_grouped_col_t8_kernel`` and failed); under the interpreter Dynamo fails on it too.
+These tests run on the Triton backend (the interpreter on the CPU, the kernels on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mxmoe.kernels import moe as km  # noqa: E402
+from mxmoe.kernels import rows as kr  # noqa: E402
+from mxmoe.kernels.quantize import quantize_along_dim  # noqa: E402
+from mxmoe.moe.layer import MoELayer  # noqa: E402
+from mxmoe.numerics.mx_tensor import dequantize_mx, quantize_mx  # noqa: E402
+from mxmoe.recipe import get_recipe  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRI = get_recipe("mxfp8", backend="triton")
+
+
+def _layer(fused: bool) -> MoELayer:
+    torch.manual_seed(0)
+    # D, F multiples of 32 (the fused op's rule); a shared expert covers mx_linear too
+    return MoELayer(64, 4, 2, 64, 2, TRI, shared_expert_hidden=64, fused=fused).to(DEV)
+
+
+def _run(module, params, x):
+    for p in params:
+        p.grad = None
+    xx = x.clone().requires_grad_(True)
+    y, aux = module(xx)
+    (y.float().pow(2).sum() + aux.aux_loss).backward()
+    return y.detach(), xx.grad, [p.grad.clone() for p in params]
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[str]:
+    """Call targets of every node of a Dynamo graph and of its subgraphs (an
+    autograd.Function's forward and backward live in submodules)."""
+    return [str(n.target) for mod in gm.modules() if isinstance(mod, torch.fx.GraphModule)
+            for n in mod.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_layer_traces_to_one_graph_of_custom_ops_and_matches_eager(fused):
+    m = _layer(fused)
+    params = list(m.parameters())
+    x = torch.randn(96, 64, dtype=torch.bfloat16, device=DEV)
+    ref = _run(m, params, x)
+
+    explained = torch._dynamo.explain(m)(x.clone().requires_grad_(True))
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+    seen: list[str] = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        seen.extend(_targets(gm))
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = _run(torch.compile(m, backend=backend), params, x)
+    raw = [t for t in seen if "triton_kernel_wrapper" in t]
+    assert not raw, f"bare Triton launches in the traced graph: {raw}"
+    ours = {t for t in seen if t.startswith("mxmoe.")}
+    # the kernels ran as our ops (not bypassed): the forward's quantizers at least
+    expected = {"mxmoe.gather_fake_quantize_rows.default", "mxmoe.swiglu_quantize.default",
+                "mxmoe.quantize_along_dim.default"} if fused else {"mxmoe.fake_quantize.default"}
+    assert expected <= ours, sorted(ours)
+    # aot_eager runs the same ops in the same order: bit for bit
+    assert torch.equal(ref[0], got[0])
+    assert torch.equal(ref[1], got[1])
+    for (name, _), a, b in zip(m.named_parameters(), ref[2], got[2]):
+        assert torch.equal(a, b), name
+
+
+def test_fused_layer_under_inductor_matches_eager():
+    m = _layer(True)
+    params = list(m.parameters())
+    x = torch.randn(96, 64, dtype=torch.bfloat16, device=DEV)
+    ref = _run(m, params, x)
+    torch._dynamo.reset()
+    got = _run(torch.compile(m), params, x)
+    # Inductor fuses the router and combine arithmetic (float32 intermediates, another
+    # summation order); the expert kernels are the same opaque ops
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got[1], ref[1], rtol=2e-2, atol=1e-4)
+    for a, b in zip(ref[2], got[2]):
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=1e-4)
+
+
+def _offsets(sizes):
+    return torch.tensor(sizes, dtype=torch.int32, device=DEV).cumsum(0).to(torch.int32)
+
+
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    src = torch.tensor([3, 0, 5, 1, 1, 7, 2, 6, 4, 0, 3, 5], dtype=torch.int64, device=DEV)
+    h = rnd(12, 128)
+    act, hq, hs = km.triton_swiglu_quantize(h, "e4m3", "rceil", torch.bfloat16)
+    return [
+        ("gather_fake_quantize_rows", km.triton_gather_fake_quantize_rows,
+         (rnd(8, 64), src, "e4m3", "rceil", torch.bfloat16)),
+        ("quantize_grouped_gather", km.triton_quantize_grouped_gather,
+         (rnd(8, 64), src, _offsets([5, 0, 7]), "e4m3", "floor")),
+        ("swiglu_quantize", km.triton_swiglu_quantize, (h, "e5m2", "rceil", torch.bfloat16)),
+        ("swiglu_backward", km.triton_swiglu_backward, (hq, hs, rnd(12, 64), torch.bfloat16)),
+        ("quantize_along_dim", quantize_along_dim, (rnd(4, 40, 3, dtype=torch.float32), 1, "e4m3", "rceil", True)),
+        ("zero_rows_past_end", kr._zero_rows_past_end_op, (rnd(12, 40), _offsets([4, 0, 5]))),
+        ("zero_empty_groups", kr._zero_empty_groups_op, (rnd(3, 8, 16), _offsets([4, 0, 5]))),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in _opcheck_cases()])
+def test_custom_ops_pass_opcheck(case):
+    """Schema, fake (meta) implementation and dispatch of every op the layer's kernels run as
+    (torch.library.opcheck: the fake outputs match the real ones in shape, dtype, strides)."""
+    name, op, args = _opcheck_cases()[case]
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    if any(isinstance(a, torch.Tensor) and a.dtype.itemsize == 1 and a.is_floating_point() for a in args):
+        utils = utils[1:]  # opcheck's schema check multiplies the inputs: no float8 mul on the CPU
+    torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_in_place_zeroing_ops_keep_their_results_under_compile():
+    """The two in-place zeroing ops mutate their argument: under torch.compile the
+    mutation must reach the caller's tensor (functionalization), as in eager mode."""
+    out = torch.randn(12, 40, device=DEV)
+    offs = _offsets([4, 0, 5])  # rows 9.. past the end
+    grads = torch.randn(3, 8, 16, device=DEV)
+
+    def f(o, w, offsets):
+        o = o.clone()
+        w = w.clone()
+        kr.zero_rows_past_end_(o, offsets)
+        kr.zero_empty_groups_(w, offsets)
+        return o, w
+
+    torch._dynamo.reset()
+    o, w = torch.compile(f, backend="aot_eager", fullgraph=True)(out, grads, offs)
+    assert torch.equal(o[:9], out[:9]) and bool((o[9:] == 0).all())
+    assert torch.equal(w[0], grads[0]) and torch.equal(w[2], grads[2]) and bool((w[1] == 0).all())
+
+
+def test_quantize_mx_round_trip_under_compile():
+    x = torch.randn(6, 70, device=DEV)
+    mx = quantize_mx(x, "e4m3", dim=1, pad=True, backend="triton")
+    ref = dequantize_mx(mx, torch.float32, backend="triton")
+
+    def f(t):
+        m = quantize_mx(t, "e4m3", dim=1, pad=True, backend="triton")
+        return dequantize_mx(m, torch.float32, backend="triton")
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x), ref)
