@@ -19,6 +19,7 @@ from mxmoe.kernels import moe as km  # noqa: E402
 from mxmoe.kernels import rows as kr  # noqa: E402
 from mxmoe.kernels.quantize import quantize_along_dim  # noqa: E402
 from mxmoe.moe.layer import MoELayer  # noqa: E402
+from mxmoe.ops import gemm  # noqa: E402
 from mxmoe.numerics.mx_tensor import dequantize_mx, quantize_mx  # noqa: E402
 from mxmoe.recipe import get_recipe  # noqa: E402
 
@@ -26,10 +27,14 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TRI = get_recipe("mxfp8", backend="triton")
 
 
-def _layer(fused: bool) -> MoELayer:
+def _layer(fused: bool, recipe=TRI) -> MoELayer:
     torch.manual_seed(0)
     # D, F multiples of 32 (the fused op's rule); a shared expert covers mx_linear too
-    return MoELayer(64, 4, 2, 64, 2, TRI, shared_expert_hidden=64, fused=fused).to(DEV)
+    return MoELayer(64, 4, 2, 64, 2, recipe, shared_expert_hidden=64, fused=fused).to(DEV)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _run(module, params, x):
@@ -48,9 +53,10 @@ def _targets(gm: torch.fx.GraphModule) -> list[str]:
             for n in mod.graph.nodes if n.op == "call_function"]
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
-def test_layer_traces_to_one_graph_of_custom_ops_and_matches_eager(fused):
-    m = _layer(fused)
+@pytest.mark.parametrize("recipe,fused", [("mxfp8", True), ("mxfp8", False), ("bf16", False)],
+                         ids=["mxfp8-fused", "mxfp8-composed", "bf16"])
+def test_layer_traces_to_one_graph_of_custom_ops_and_matches_eager(recipe, fused):
+    m = _layer(fused, TRI if recipe == "mxfp8" else get_recipe(recipe))
     params = list(m.parameters())
     x = torch.randn(96, 64, dtype=torch.bfloat16, device=DEV)
     ref = _run(m, params, x)
@@ -69,16 +75,22 @@ def test_layer_traces_to_one_graph_of_custom_ops_and_matches_eager(fused):
     got = _run(torch.compile(m, backend=backend), params, x)
     raw = [t for t in seen if "triton_kernel_wrapper" in t]
     assert not raw, f"bare Triton launches in the traced graph: {raw}"
+    # every grouped GEMM through mxmoe::grouped_mm (its operands keep their traced strides)
+    bare_gmm = [t for t in seen if "_grouped_mm" in t and not t.startswith("mxmoe.")]
+    assert not bare_gmm, f"torch._grouped_mm called directly under compile: {bare_gmm}"
     ours = {t for t in seen if t.startswith("mxmoe.")}
-    # the kernels ran as our ops (not bypassed): the forward's quantizers at least
-    expected = {"mxmoe.gather_fake_quantize_rows.default", "mxmoe.swiglu_quantize.default",
-                "mxmoe.quantize_along_dim.default"} if fused else {"mxmoe.fake_quantize.default"}
+    # the kernels ran as our ops (not bypassed): the forward's quantizers and GEMMs at least
+    expected = {"mxmoe.grouped_mm.default"}
+    if recipe == "mxfp8":
+        expected |= ({"mxmoe.gather_fake_quantize_rows.default", "mxmoe.swiglu_quantize.default",
+                      "mxmoe.quantize_along_dim.default"} if fused else {"mxmoe.fake_quantize.default"})
     assert expected <= ours, sorted(ours)
-    # aot_eager runs the same ops in the same order: bit for bit
+    # aot_eager runs the same ops: the forward bit for bit; in the backward the gradient
+    # contributions to x (router, experts, shared expert) may be summed in another order
     assert torch.equal(ref[0], got[0])
-    assert torch.equal(ref[1], got[1])
+    assert _rel_err(got[1], ref[1]) < 1e-2
     for (name, _), a, b in zip(m.named_parameters(), ref[2], got[2]):
-        assert torch.equal(a, b), name
+        assert _rel_err(b, a) < 1e-2, name
 
 
 def test_fused_layer_under_inductor_matches_eager():
@@ -89,11 +101,12 @@ def test_fused_layer_under_inductor_matches_eager():
     torch._dynamo.reset()
     got = _run(torch.compile(m), params, x)
     # Inductor fuses the router and combine arithmetic (float32 intermediates, another
-    # summation order); the expert kernels are the same opaque ops
+    # summation order); the gradients then cross MXFP8 rounding boundaries at other
+    # elements, so they agree in norm, not element by element
     torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=1e-3)
-    torch.testing.assert_close(got[1], ref[1], rtol=2e-2, atol=1e-4)
-    for a, b in zip(ref[2], got[2]):
-        torch.testing.assert_close(b, a, rtol=5e-2, atol=1e-4)
+    assert _rel_err(got[1], ref[1]) < 5e-2
+    for (name, _), a, b in zip(m.named_parameters(), ref[2], got[2]):
+        assert _rel_err(b, a) < 5e-2, name
 
 
 def _offsets(sizes):
@@ -119,13 +132,17 @@ def _opcheck_cases():
         ("quantize_along_dim", quantize_along_dim, (rnd(4, 40, 3, dtype=torch.float32), 1, "e4m3", "rceil", True)),
         ("zero_rows_past_end", kr._zero_rows_past_end_op, (rnd(12, 40), _offsets([4, 0, 5]))),
         ("zero_empty_groups", kr._zero_empty_groups_op, (rnd(3, 8, 16), _offsets([4, 0, 5]))),
+        ("grouped_mm 2d x 3d", gemm._grouped_mm_op, (rnd(12, 16), rnd(3, 8, 16).transpose(-2, -1), _offsets([4, 0, 8]))),
+        ("grouped_mm 2d x 2d", gemm._grouped_mm_op, (rnd(12, 8).t(), rnd(12, 16), _offsets([4, 3, 5]))),
     ]
 
 
-@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in _opcheck_cases()])
+@pytest.mark.parametrize("case", range(9), ids=[c[0] for c in _opcheck_cases()])
 def test_custom_ops_pass_opcheck(case):
     """Schema, fake (meta) implementation and dispatch of every op the layer's kernels run as
-    (torch.library.opcheck: the fake outputs match the real ones in shape, dtype, strides)."""
+    (torch.library.opcheck: the fake outputs match the real ones in shape, dtype, strides).
+    The grouped GEMM cases cover every row / group: torch._grouped_mm leaves rows past the
+    last offset and empty groups' matrices unwritten (our wrappers zero them after it)."""
     name, op, args = _opcheck_cases()[case]
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     if any(isinstance(a, torch.Tensor) and a.dtype.itemsize == 1 and a.is_floating_point() for a in args):

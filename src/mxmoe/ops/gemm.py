@@ -48,6 +48,31 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)``; under torch.compile through the opaque op
+    ``mxmoe::grouped_mm``, which keeps the operands' strides as traced. Inductor otherwise
+    may lay an operand out anew (a transposed dY materialized row-major) and move a group
+    boundary onto the contiguous dim, where torch._grouped_mm needs 16-byte aligned group
+    sizes: a device-side assert on the H200 for the bf16 layer's wgrad."""
+    offs = offs.to(torch.int32)
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+_EXACT = getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order
+
+
+@torch.library.custom_op("mxmoe::grouped_mm", mutates_args=(), tags=(_EXACT,))
+def _grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)  # torch's meta kernel: shape, dtype and strides
+
+
 _ALIGN_BYTES = 16
 
 
@@ -158,12 +183,12 @@ def grouped_mm_nt(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: bool
     if T == 0 or E == 0:
         return x_TK.new_zeros(T, N)
     if _use_grouped_mm(x_TK, w_ENK) and (N * x_TK.element_size()) % _ALIGN_BYTES == 0:
-        out = torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets_E.to(torch.int32))
+        out = _grouped_mm(x_TK, w_ENK.transpose(-2, -1), offsets_E)
     elif _grouped_mm_device_ok(x_TK):  # pad K and N to 16 bytes: no per-expert loop, no host sync
         K = x_TK.shape[1]
         xp = _pad_to(x_TK, {1: _up(K)})
         wp = _pad_to(w_ENK, {1: _up(N), 2: _up(K)})
-        out = torch._grouped_mm(xp, wp.transpose(-2, -1), offs=offsets_E.to(torch.int32))[:, :N]
+        out = _grouped_mm(xp, wp.transpose(-2, -1), offsets_E)[:, :N]
     else:
         out = x_TK.new_empty(T, N)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
@@ -186,12 +211,12 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: boo
     if T == 0 or E == 0:
         return dy_TN.new_zeros(T, K)
     if _use_grouped_mm(dy_TN, w_ENK) and (K * dy_TN.element_size()) % _ALIGN_BYTES == 0:
-        out = torch._grouped_mm(dy_TN, w_ENK, offs=offsets_E.to(torch.int32))
+        out = _grouped_mm(dy_TN, w_ENK, offsets_E)
     elif _grouped_mm_device_ok(dy_TN):  # pad K and N to 16 bytes: no per-expert loop, no host sync
         N = dy_TN.shape[1]
         dyp = _pad_to(dy_TN, {1: _up(N)})
         wp = _pad_to(w_ENK, {1: _up(N), 2: _up(K)})
-        out = torch._grouped_mm(dyp, wp, offs=offsets_E.to(torch.int32))[:, :K]
+        out = _grouped_mm(dyp, wp, offsets_E)[:, :K]
     else:
         out = dy_TN.new_empty(T, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
@@ -221,12 +246,12 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups
     if L == 0 or E == 0:
         return a_NL.new_zeros(E, N, K)
     if _use_grouped_mm(a_NL, b_KL) and (K * a_NL.element_size()) % _ALIGN_BYTES == 0:
-        out = torch._grouped_mm(a_NL, b_KL.t(), offs=offsets_E.to(torch.int32))
+        out = _grouped_mm(a_NL, b_KL.t(), offsets_E)
     elif _grouped_mm_device_ok(a_NL):  # pad N, K and L to 16 bytes: no per-expert loop, no host sync
         Lp = _up(L)
         ap = _pad_to(a_NL, {0: _up(N), 1: Lp})
         bp = _pad_to(b_KL, {0: _up(K), 1: Lp})
-        out = torch._grouped_mm(ap, bp.t(), offs=offsets_E.to(torch.int32))[:, :N, :K]
+        out = _grouped_mm(ap, bp.t(), offsets_E)[:, :N, :K]
     else:
         out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):
