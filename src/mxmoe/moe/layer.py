@@ -164,7 +164,7 @@ def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
     """
     if not recipe.quantize:
         raise ValueError(f"MXFP8 dispatch needs a quantizing expert recipe, got {recipe.name!r}")
-    return _MXRoundRows.apply(x_TD, recipe)
+    return torch.compiler.disable(_MXRoundRows.apply)(x_TD, recipe)  # eager under torch.compile, as mx_grouped_mm
 
 
 def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -226,7 +226,8 @@ def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, f
         (T, D) in y's dtype. Deterministic: a permutation, then a fixed-order sum over k.
     """
     if fp8_recipe is not None:
-        return _CombineFP8.apply(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
+        # eager under torch.compile, as mx_grouped_mm (the combine without FP8 saving compiles)
+        return torch.compiler.disable(_CombineFP8.apply)(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
     return _combine(y_sorted_AD, order_A, weights_Tk)[2]
 
 

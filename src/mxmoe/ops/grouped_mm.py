@@ -80,6 +80,13 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
+# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
+# H200 (torch 2.11) once their forward held an in-place custom op, and the op's kernels
+# are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+_apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
+
+
 def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     """Grouped GEMM out[t] = x[t] @ w[e]^T for the rows t of expert e, under ``recipe``.
 
@@ -99,7 +106,8 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
         ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ.
 
     Gradients flow to x and w (not offsets). K, N and group sizes need not be multiples of
-    32 (zero padded, exact).
+    32 (zero padded, exact). Under ``torch.compile`` the op runs eagerly, with a graph
+    break on each side (module note at ``_apply``).
     """
     recipe = get_recipe(recipe)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -112,4 +120,4 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
         raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
     if not (x.device == w.device == offsets.device):
         raise ValueError(f"x, w and offsets must be on one device, got {x.device}, {w.device}, {offsets.device}")
-    return _MXGroupedMMFunction.apply(x, w, offsets, recipe)
+    return _apply(x, w, offsets, recipe)

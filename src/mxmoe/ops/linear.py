@@ -75,6 +75,13 @@ class _MXLinearFunction(torch.autograd.Function):
         return dx, dw, None
 
 
+# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
+# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
+# H200 (torch 2.11) once their forward held an in-place custom op, and the op's kernels
+# are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+_apply = torch.compiler.disable(_MXLinearFunction.apply)
+
+
 def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     """y = x w^T with the forward, dgrad and wgrad GEMMs computed under ``recipe``.
 
@@ -94,7 +101,8 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
         ValueError: w is not 2-D or its K differs from x's; unknown recipe.
 
     K and the number of tokens need not be multiples of 32: tail blocks are zero padded,
-    which leaves every product unchanged.
+    which leaves every product unchanged. Under ``torch.compile`` the quantizing recipes run
+    eagerly, with a graph break on each side (note at ``_apply``); "bf16" is F.linear and compiles.
     """
     recipe = get_recipe(recipe)
     if x.dtype not in _ACT_DTYPES:
@@ -106,7 +114,7 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     lead = x.shape[:-1]
     x_TK = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        y = _MXLinearFunction.apply(x_TK, w, recipe)
+        y = _apply(x_TK, w, recipe)
     else:  # no graph (evaluation under no_grad): only the forward GEMM's copies, not the
         # backward's (ctx.needs_input_grad follows requires_grad, not the grad mode)
         wq_NK, _ = weight_operands(w, recipe, x.dtype, dgrad=False)

@@ -191,6 +191,13 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
             and recipe.fmt in ("e4m3", "e5m2") and d_model % BLOCK == 0 and d_expert % BLOCK == 0)
 
 
+# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
+# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
+# H200 (torch 2.11) once their forward held an in-place custom op, and the op's kernels
+# are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+_apply = torch.compiler.disable(_MXExpertsFunction.apply)
+
+
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
                    recipe: Recipe) -> Tensor:
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
@@ -212,6 +219,9 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
             mode also offsets[-1] != A or a token not appearing exactly k times (on CUDA
             and under torch.compile these preconditions are not checked: it would cost a
             host sync or a graph break).
+
+    Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
+    ``_apply``).
     """
     E, F2, D = w13_E2FD.shape
     if not supports_fused_experts(D, F2 // 2, recipe):
@@ -231,4 +241,4 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
                              f"belong to an expert")
         if not bool((torch.bincount(src_A, minlength=T) == k).all()):
             raise ValueError(f"every token must appear exactly k = {k} times in src_A")
-    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
+    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
