@@ -5,8 +5,8 @@ Two faults found on the H200 (torch 2.11), each tested here as a kind:
   ``_mx_grouped_col_t8_kernel`` and failed (under the interpreter Dynamo fails on it too).
   Every Triton launch now sits inside a ``torch.library`` custom op with a fake
   implementation, checked by ``opcheck``;
-- Dynamo tracing our autograd.Functions (an in-place custom op in the forward) returned
-  zero expert gradients on CUDA while the forward matched. The public ops
+- Dynamo tracing our autograd.Functions returned zero expert gradients on CUDA while the
+  forward matched (root cause not pinned down; CPU traces were right). The public ops
   (``mx_grouped_mm``, ``mx_linear``, ``mx_moe_experts``, the MXFP8 combine and dispatch
   rounding) now run eagerly under torch.compile, a graph break around each; everything
   else (router, dispatch, SwiGLU of the composed path, combine) compiles. The gradients

@@ -82,8 +82,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
 
 # torch.compile runs this op eagerly, a graph break on each side (the ops around it still
 # compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
-# H200 (torch 2.11) once their forward held an in-place custom op, and the op's kernels
-# are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+# H200 (torch 2.11; root cause not pinned down, benchmarks/results/h200_compile/README.md),
+# and their kernels are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
 _apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
 
 
