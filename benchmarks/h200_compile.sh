@@ -5,13 +5,9 @@
 # and byte checks of the weight cache / fused op / grouped quantizers.
 # Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_compile.sh compile|check
 set -u
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/h200_compile}; mkdir -p "$OUT"
 PART=${1:-compile}
-LOG=$OUT/$PART.log
-run() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-echo "commit ${COMMIT:-unknown}" | tee -a "$LOG"
+OUT_DEFAULT=/tmp/h200_compile LOG_NAME=$PART.log
+. "$(dirname "$0")/h200_session.sh"
 if [ "$PART" = compile ]; then
   run 150 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py
   run 400 python3 benchmarks/moe_layer.py --compile --top 10 --out "$OUT/moe_layer_compiled.json"

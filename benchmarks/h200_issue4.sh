@@ -3,11 +3,8 @@
 # op, then the quantizer, grouped GEMM (design a and b) and MoE layer benchmarks.
 # Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_issue4.sh
 set -u
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/h200_issue4}; mkdir -p "$OUT"
-LOG=$OUT/all.log
-run() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
+OUT_DEFAULT=/tmp/h200_issue4 LOG_NAME=all.log
+. "$(dirname "$0")/h200_session.sh"
 run 60 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts.py
 run 80 python3 benchmarks/check_grouped_cuda.py --recipes mxfp8
 run 50 python3 benchmarks/check_kernels_cuda.py

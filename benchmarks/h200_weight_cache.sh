@@ -4,13 +4,9 @@
 # benchmarks (torchao from PYTHONPATH if importable).
 # Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_weight_cache.sh check|bench
 set -u
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/h200_weight_cache}; mkdir -p "$OUT"
 PART=${1:-check}
-LOG=$OUT/$PART.log
-run() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
-echo "commit ${COMMIT:-unknown}" | tee -a "$LOG"
+OUT_DEFAULT=/tmp/h200_weight_cache LOG_NAME=$PART.log
+. "$(dirname "$0")/h200_session.sh"
 if [ "$PART" = check ]; then
   run 150 python3 -m pytest -q -p no:cacheprovider tests/test_weight_cache.py tests/test_moe_experts.py \
       tests/test_kernels_quantize.py -k "grouped_token or rowcol or weight or fused or moe or swiglu or gather"
