@@ -206,6 +206,9 @@ def main() -> int:
         del bf, mx, mxc, x, dy, compiled
         if not smoke:
             torch.cuda.empty_cache()
+    if smoke:
+        print("\nsmoke run: one untimed call per variant on the CPU (checks that every path runs); "
+              "the times and ratios above are not measurements")
     print(f"\nsummary (targets: fused fwd+bwd >= {TARGET_SPEED}x bf16 speed, activations <= {TARGET_MEMORY}x bf16):")
     for r in rows:
         sp = r["speed_vs_bf16"]["mxfp8 fused"]
@@ -219,6 +222,10 @@ def main() -> int:
                  if 'bf16 compiled' in r['ms'] and 'mxfp8 fused compiled' in r['ms'] else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    failed = sorted({n for r in rows for n in r.get("compile_errors", {})})
+    if failed:
+        print(f"torch.compile failed for: {', '.join(failed)} (rows left out; exit status 1)")
+        return 1
     return 0
 
 
