@@ -97,7 +97,9 @@ def test_layer_compiles_with_breaks_only_at_our_ops_and_matches_eager(recipe, fu
 
 def test_grouped_mm_under_compile_gives_eager_gradients():
     """The smallest case of the zero-gradient fault: mx_grouped_mm alone, an empty expert
-    and rows past the last offset (the in-place zeroing kernels run)."""
+    and rows past the last offset (the in-place zeroing kernels run). On CUDA this is the
+    case that gave zero gradients when Dynamo traced the op; on the CPU (where the trace
+    was right) it guards the eager fallback with the test above."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(DEV)
     w = (torch.randn(4, 128, 64, generator=g) * 0.1).to(DEV)
@@ -137,6 +139,11 @@ def _offsets(sizes):
     return torch.tensor(sizes, dtype=torch.int32, device=DEV).cumsum(0).to(torch.int32)
 
 
+OPCHECK_CASES = ["gather_fake_quantize_rows", "quantize_grouped_gather", "swiglu_quantize", "swiglu_backward",
+                 "quantize_along_dim", "zero_rows_past_end", "zero_empty_groups", "grouped_mm 2d x 3d",
+                 "grouped_mm 2d x 2d"]
+
+
 def _opcheck_cases():
     g = torch.Generator().manual_seed(1)
 
@@ -161,13 +168,15 @@ def _opcheck_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(9), ids=[c[0] for c in _opcheck_cases()])
+@pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_custom_ops_pass_opcheck(case):
     """Schema, fake (meta) implementation and dispatch of every op the layer's kernels run as
     (torch.library.opcheck: the fake outputs match the real ones in shape, dtype, strides).
     The grouped GEMM cases cover every row / group: torch._grouped_mm leaves rows past the
     last offset and empty groups' matrices unwritten (our wrappers zero them after it)."""
-    name, op, args = _opcheck_cases()[case]
+    cases = {name: (op, args) for name, op, args in _opcheck_cases()}
+    assert sorted(cases) == sorted(OPCHECK_CASES)  # a new case must be listed to run
+    op, args = cases[case]
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     if any(isinstance(a, torch.Tensor) and a.dtype.itemsize == 1 and a.is_floating_point() for a in args):
         utils = utils[1:]  # opcheck's schema check multiplies the inputs: no float8 mul on the CPU
@@ -205,3 +214,97 @@ def test_quantize_mx_round_trip_under_compile():
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x), ref)
+
+
+def test_grouped_gemms_called_directly_under_compile_use_the_strided_op():
+    """User code that calls the grouped GEMM helpers inside a compiled function goes through
+    mxmoe::grouped_mm (operands keep their traced strides) and matches eager, rows past the
+    last offset and empty experts' matrices zero."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 16, generator=g).to(torch.bfloat16).to(DEV)
+    w = torch.randn(3, 8, 16, generator=g).to(torch.bfloat16).to(DEV)
+    dy = torch.randn(24, 8, generator=g).to(torch.bfloat16).to(DEV)
+    offs = _offsets([8, 0, 8])  # rows 16.. past the end
+
+    def f(x, w, dy, offs):
+        return (gemm.grouped_mm_nt(x, w, offs), gemm.grouped_mm_nn(dy, w, offs),
+                gemm.grouped_mm_tn(dy.t(), x.t(), offs))
+
+    ref = f(x, w, dy, offs)
+    seen: list[str] = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        seen.extend(_targets(gm))
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend, fullgraph=True)(x, w, dy, offs)
+    assert seen.count("mxmoe.grouped_mm.default") == 3, seen
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert bool((got[0][16:] == 0).all()) and bool((got[1][16:] == 0).all()) and bool((got[2][1] == 0).all())
+
+
+def test_quantize_along_dim_fake_rejects_what_the_op_rejects():
+    """Under torch.compile the fake implementation runs first: it must raise the real op's
+    errors, not return a shape for arguments the op refuses."""
+    x = torch.randn(4, 40, device=DEV)
+    for args in ((x, 1, "e4m3", "rceil", False), (x, -1, "e4m3", "rceil", True), (x, 2, "e4m3", "rceil", True),
+                 (x, 1, "e2m1", "rceil", True)):
+        with pytest.raises(ValueError):
+            quantize_along_dim(*args)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError):
+            quantize_along_dim(mode.from_tensor(args[0]), *args[1:])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_quantizers_never_return_tensors_that_require_grad(backend):
+    """Every public quantizer, on every backend, returns tensors that do not require grad
+    for an input that does (rounding has no gradient; the custom ops have no autograd
+    formula, so a grad_fn on their outputs would raise in backward)."""
+    from mxmoe.ops.quantize import fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair
+    from mxmoe.ops.quantize import fake_quantize_rowcol
+    from mxmoe.numerics.qdq import fake_quantize_mx
+
+    rec = get_recipe("mxfp8", backend=backend)
+    x = torch.randn(40, 64, device=DEV, requires_grad=True)
+    offs = _offsets([10, 0, 30])
+    m = quantize_mx(x, "e4m3", dim=1, backend=backend)
+    outs = {
+        "quantize_mx codes": m.qdata, "quantize_mx scales": m.scale,
+        "dequantize_mx": dequantize_mx(m, torch.float32, backend=backend),
+        "dequantize_mx of a grad-requiring MXTensor": dequantize_mx(
+            type(m)(m.qdata.float().requires_grad_().to(m.qdata.dtype), m.scale, m.fmt, m.block_size, m.dim,
+                    m.scale_mode, m.orig_size), torch.float32, backend=backend),
+        "fake_quantize_mx": fake_quantize_mx(x, "e4m3", dim=0, pad=True, out_dtype=torch.bfloat16, backend=backend),
+        "ops.fake_quantize": fake_quantize(x, rec, dim=1, out_dtype=torch.bfloat16),
+        "ops.fake_quantize_grouped_tokens": fake_quantize_grouped_tokens(x, offs, rec, out_dtype=torch.bfloat16)[0],
+        "ops.fake_quantize_grouped_tokens_pair": fake_quantize_grouped_tokens_pair(x, x, offs, rec,
+                                                                                  out_dtype=torch.bfloat16)[0],
+        "ops.fake_quantize_rowcol": fake_quantize_rowcol(x, rec, out_dtype=torch.bfloat16)[1],
+    }
+    assert not [name for name, t in outs.items() if t.requires_grad]
+
+
+def test_fused_op_routing_checks_hold_under_compile():
+    """On the CPU the fused op refuses routing that would leave rows unwritten, eagerly and
+    under torch.compile alike (the checks run in its eager region)."""
+    from mxmoe.ops.moe_experts import mx_moe_experts
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.randn(3, 128, 64) * 0.05, torch.randn(3, 64, 64) * 0.05
+    src = torch.arange(8).repeat_interleave(2)
+    bad_offsets = torch.tensor([4, 8, 12], dtype=torch.int32)  # 16 rows, offsets end at 12
+    bad_src = src.clone()
+    bad_src[-1] = 0  # token 0 three times, token 7 once
+    good_offsets = torch.tensor([4, 8, 16], dtype=torch.int32)
+    f = lambda s, o: mx_moe_experts(x, s, o, w13, w2, TRI)  # noqa: E731
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager")
+    for fn in (f, cf):
+        with pytest.raises(ValueError, match="offsets"):
+            fn(src, bad_offsets)
+        with pytest.raises(ValueError, match="exactly k"):
+            fn(bad_src, good_offsets)

@@ -298,13 +298,30 @@ def quantize_along_dim(x: Tensor, dim: int, fmt: str = "e4m3", mode: str = "rcei
     """:func:`launch_along_dim`'s codes and scales as a custom op (what
     :func:`mxmoe.numerics.quantize_mx` runs on the Triton backend). x any rank, dim
     non-negative; returns codes (x's shape, dim padded to 32) FP8 and scales (that shape
-    with dim divided by 32) E8M0."""
+    with dim divided by 32) E8M0.
+
+    Raises:
+        ValueError: dim outside 0..x.dim() - 1; x.shape[dim] not a multiple of 32 and pad
+            False; fmt not an FP8 format. TypeError: x not float32/bfloat16."""
+    _along_dim_checks(x, dim, fmt, mode, pad)
     out = launch_along_dim(x, dim, fmt, mode, pad=pad)
     return out["q"], out["s"]
 
 
+def _along_dim_checks(x: Tensor, dim: int, fmt: str, mode: str, pad: bool) -> None:
+    """The argument rules of :func:`quantize_along_dim`, shared by its real and fake impls."""
+    _check_tensor(x)
+    _codes(fmt, mode)
+    if not 0 <= dim < x.dim():
+        raise ValueError(f"dim={dim} for a {x.dim()}-d tensor; quantize_along_dim takes 0..{x.dim() - 1}")
+    if x.shape[dim] % BLOCK and not pad:
+        raise ValueError(f"size {x.shape[dim]} along dim {dim} is not a multiple of {BLOCK}; pass pad=True "
+                         f"(zero padding is exact)")
+
+
 @quantize_along_dim.register_fake
 def _(x, dim, fmt="e4m3", mode="rceil", pad=False):
+    _along_dim_checks(x, dim, fmt, mode, pad)
     padded = list(x.shape)
     padded[dim] = _ceil_to(padded[dim], BLOCK)
     scale_shape = list(padded)

@@ -144,6 +144,10 @@ class _MXRoundRows(torch.autograd.Function):
         return dx_TD, None
 
 
+# eager under torch.compile, as mx_grouped_mm (graph breaks around it; see ops/grouped_mm.py)
+_round_rows_eager = torch.compiler.disable(_MXRoundRows.apply)
+
+
 def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
     """Round each row of ``x_TD`` to the recipe's MX format along D, straight-through gradient.
 
@@ -164,7 +168,7 @@ def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
     """
     if not recipe.quantize:
         raise ValueError(f"MXFP8 dispatch needs a quantizing expert recipe, got {recipe.name!r}")
-    return torch.compiler.disable(_MXRoundRows.apply)(x_TD, recipe)  # eager under torch.compile, as mx_grouped_mm
+    return _round_rows_eager(x_TD, recipe)
 
 
 def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -211,6 +215,10 @@ class _CombineFP8(torch.autograd.Function):
         return d_y_AD.index_select(0, order_A), None, d_w, None
 
 
+# eager under torch.compile, as mx_grouped_mm (the combine without FP8 saving compiles)
+_combine_fp8_eager = torch.compiler.disable(_CombineFP8.apply)
+
+
 def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, fp8_recipe: Recipe | None = None
                      ) -> Tensor:
     """y_TD[t] = sum_j weights[t, j] * y[row of (t, j)]: undo the expert sort (``order_A``
@@ -226,8 +234,7 @@ def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, f
         (T, D) in y's dtype. Deterministic: a permutation, then a fixed-order sum over k.
     """
     if fp8_recipe is not None:
-        # eager under torch.compile, as mx_grouped_mm (the combine without FP8 saving compiles)
-        return torch.compiler.disable(_CombineFP8.apply)(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
+        return _combine_fp8_eager(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
     return _combine(y_sorted_AD, order_A, weights_Tk)[2]
 
 

@@ -177,7 +177,10 @@ def quantize_mx(
             gives the same bytes.
 
     Returns:
-        :class:`MXTensor` with contiguous ``qdata`` and ``scale``.
+        :class:`MXTensor` with contiguous ``qdata`` and ``scale``. Not differentiable: they
+        never require grad, whatever ``x`` does (rounding has no useful gradient; the
+        MX ops' autograd Functions define theirs, and a straight-through estimator is
+        ``x + (fake_quantize_mx(x) - x).detach()``).
 
     Note: under ``rceil`` a block whose amax is within one element step of float32's
     largest value rounds its largest element up to 2^(emax+1) (e4m3: 256 with scale
@@ -193,6 +196,7 @@ def quantize_mx(
     fmt = ElemFormat.parse(fmt)
     scale_mode = ScaleMode.parse(scale_mode)
     dim = check_quantize_args(x, block_size, dim)
+    x = x.detach()  # not differentiable, on every backend (the MX ops' autograd Functions own gradients)
     if fmt is ElemFormat.E2M1 and block_size % 2:
         raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
     size = x.shape[dim]
@@ -245,7 +249,8 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str
             output follow the device's float conversion, e.g. 0x7FC0 or 0xFFFF).
 
     Returns:
-        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was.
+        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was;
+        never requires grad.
 
     Raises:
         TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
@@ -255,6 +260,11 @@ def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str
         raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
     if dtype not in SUPPORTED_OUTPUT_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    with torch.no_grad():  # not differentiable, on every backend (as quantize_mx)
+        return _dequantize(mx, dtype, backend)
+
+
+def _dequantize(mx: MXTensor, dtype: torch.dtype, backend: str) -> Tensor:
     if use_triton(mx.qdata.device, dtype, mx.fmt, mx.block_size, backend):
         from ..kernels.quantize import dequantize_rowwise
 

@@ -77,7 +77,7 @@ def fake_quantize_mx(
 
     Returns:
         Tensor of x's shape and ``out_dtype``, contiguous, equal bit for bit to the
-        dequantized MXTensor.
+        dequantized MXTensor. Never requires grad (as :func:`~mxmoe.quantize_mx`).
 
     Raises:
         The errors of :func:`~mxmoe.quantize_mx`.
@@ -86,6 +86,7 @@ def fake_quantize_mx(
     scale_mode = ScaleMode.parse(scale_mode)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     dim = check_quantize_args(x, block_size, dim)
+    x = x.detach()  # not differentiable, on every backend (as quantize_mx)
     if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
         check_block_multiple(x.shape[dim], dim, block_size, pad)
         from ..kernels.quantize import fake_quantize

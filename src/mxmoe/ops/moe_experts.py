@@ -191,11 +191,23 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
             and recipe.fmt in ("e4m3", "e5m2") and d_model % BLOCK == 0 and d_expert % BLOCK == 0)
 
 
-# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
-# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
-# H200 (torch 2.11; root cause not pinned down, benchmarks/results/h200_compile/README.md),
-# and their kernels are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
-_apply = torch.compiler.disable(_MXExpertsFunction.apply)
+@torch.compiler.disable
+def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+    """The routing preconditions on the CPU (free there; on CUDA reading them back would
+    sync), then the op. torch.compile runs this eagerly, a graph break on each side (the
+    ops around it still compile): Dynamo's tracing of these autograd.Functions returned
+    zero gradients on the H200 (torch 2.11; root cause not pinned down,
+    benchmarks/results/h200_compile/README.md), and their kernels are custom ops Inductor
+    cannot fuse into anyway (tests/test_compile.py). Eager, the checks hold under compile too."""
+    T, A = x_TD.shape[0], src_A.numel()
+    if x_TD.device.type == "cpu" and A:
+        k = A // T
+        if int(offsets_E[-1]) != A:
+            raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} but src_A has {A} rows: every row must "
+                             f"belong to an expert")
+        if not bool((torch.bincount(src_A, minlength=T) == k).all()):
+            raise ValueError(f"every token must appear exactly k = {k} times in src_A")
+    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
 
 
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
@@ -215,10 +227,9 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
-        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU in eager
-            mode also offsets[-1] != A or a token not appearing exactly k times (on CUDA
-            and under torch.compile these preconditions are not checked: it would cost a
-            host sync or a graph break).
+        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU also
+            offsets[-1] != A or a token not appearing exactly k times (on CUDA these
+            preconditions are not checked: it would cost a host sync).
 
     Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
     ``_apply``).
@@ -233,12 +244,4 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     T, A = x_TD.shape[0], src_A.numel()
     if (T == 0) != (A == 0) or (T and A % T):
         raise ValueError(f"src_A has {A} rows, not a multiple of T={T}")
-    if x_TD.device.type == "cpu" and A and not torch.compiler.is_compiling():
-        # free here in eager mode; on CUDA reading them back would sync
-        k = A // T
-        if int(offsets_E[-1]) != A:
-            raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} but src_A has {A} rows: every row must "
-                             f"belong to an expert")
-        if not bool((torch.bincount(src_A, minlength=T) == k).all()):
-            raise ValueError(f"every token must appear exactly k = {k} times in src_A")
     return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)

@@ -7,6 +7,9 @@ elements times the two scales, so a float32 (or bf16 tensor-core) GEMM on them c
 what a block-scaled MXFP8 GEMM computes, up to accumulation order.
 
 Legend of shape suffixes: T tokens (rows), C columns, E experts.
+
+None of these is differentiable: each runs under ``torch.no_grad()``, so its outputs never
+require grad on any backend (the autograd Functions of the ops define the gradients).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..numerics.qdq import fake_quantize_mx
 from ..recipe import Recipe
 
 
+@torch.no_grad()
 def fake_quantize(x: Tensor, recipe: Recipe, dim: int, out_dtype: torch.dtype) -> Tensor:
     """Quantize ``x`` along ``dim`` with the recipe's format and scale rule, dequantize.
 
@@ -39,6 +43,7 @@ def fake_quantize(x: Tensor, recipe: Recipe, dim: int, out_dtype: torch.dtype) -
                             pad=True, out_dtype=out_dtype, backend=recipe.backend)
 
 
+@torch.no_grad()
 def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe,
                                  out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Quantize along tokens with each expert's tokens in their own blocks; dequantize.
@@ -72,6 +77,7 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
     return xq.t(), padded_offsets
 
 
+@torch.no_grad()
 def fake_quantize_grouped_tokens_pair(a_TC: Tensor, b_TC: Tensor, offsets_E: Tensor, recipe: Recipe,
                                       out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`fake_quantize_grouped_tokens` of the two wgrad operands (dY and X, same rows
@@ -105,6 +111,7 @@ def fake_quantize_grouped_tokens_pair(a_TC: Tensor, b_TC: Tensor, offsets_E: Ten
     return a_CTp, b_CTp, padded_offsets
 
 
+@torch.no_grad()
 def fake_quantize_rowcol(x: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(fake_quantize(x, dim=-1), fake_quantize(x, dim=-2))`` of a 2-D tensor (T, C) or a
     3-D expert weight (E, N, K), bit for bit, with one read of x on the Triton backend (the
