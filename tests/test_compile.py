@@ -59,6 +59,19 @@ def _targets(gm: torch.fx.GraphModule) -> list[str]:
             for n in mod.graph.nodes if n.op == "call_function"]
 
 
+def _recording_aot_eager():
+    """(targets seen, backend): a torch.compile backend that records the call targets of
+    every graph (and subgraph) it gets, then runs them with aot_eager."""
+    seen: list[str] = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        seen.extend(_targets(gm))
+        return aot_eager(gm, example_inputs)
+
+    return seen, backend
+
+
 @pytest.mark.parametrize("recipe,fused", [("mxfp8", True), ("mxfp8", False), ("bf16", False)],
                          ids=["mxfp8-fused", "mxfp8-composed", "bf16"])
 def test_layer_compiles_with_breaks_only_at_our_ops_and_matches_eager(recipe, fused):
@@ -73,13 +86,7 @@ def test_layer_compiles_with_breaks_only_at_our_ops_and_matches_eager(recipe, fu
     assert not others, others  # no break but the eager ops' own (no host reads, no untraceable code)
     assert explained.graph_break_count >= 1  # the expert ops did run eagerly
 
-    seen: list[str] = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        seen.extend(_targets(gm))
-        return aot_eager(gm, example_inputs)
-
+    seen, backend = _recording_aot_eager()
     torch._dynamo.reset()
     got = _run(torch.compile(m, backend=backend), params, x)
     raw = [t for t in seen if "triton_kernel_wrapper" in t]
@@ -231,13 +238,7 @@ def test_grouped_gemms_called_directly_under_compile_use_the_strided_op():
                 gemm.grouped_mm_tn(dy.t(), x.t(), offs))
 
     ref = f(x, w, dy, offs)
-    seen: list[str] = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        seen.extend(_targets(gm))
-        return aot_eager(gm, example_inputs)
-
+    seen, backend = _recording_aot_eager()
     torch._dynamo.reset()
     got = torch.compile(f, backend=backend, fullgraph=True)(x, w, dy, offs)
     assert seen.count("mxmoe.grouped_mm.default") == 3, seen
