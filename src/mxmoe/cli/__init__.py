@@ -152,6 +152,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`mxmoe train`: load the corpus, build the TrainConfig from the flags, train (or
+    resume); returns the exit status."""
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
     r = train(cfg, resume=args.resume, corpus=corpus)
@@ -164,6 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `mxmoe` argument parser with every subcommand (train, compare, report, export, eval, ...)."""
     parser = argparse.ArgumentParser(prog="mxmoe", description="MXFP8 Mixture-of-Experts training")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train the MoE language model",
@@ -179,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `mxmoe` entry point: parse ``argv`` (default sys.argv[1:]) with presets, run the
+    subcommand; returns the exit status: 2 with a one-line message for refused input, 1 for
+    a non-finite loss, 130 when interrupted."""
     args, overridden = parse_with_preset(build_parser, sys.argv[1:] if argv is None else argv)
     if getattr(args, "preset", None):
         print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))

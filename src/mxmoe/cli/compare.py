@@ -32,6 +32,7 @@ def _positive_float(text: str) -> float:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """`mxmoe compare`: train the same model under each recipe in turn, then write the side-by-side report."""
     from . import config_from_args
 
     corpus = load_corpus(args.data)
@@ -49,6 +50,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """`mxmoe report`: rebuild the comparison report from finished runs in ``args.out_dir``."""
     report = build_report(args.out_dir, args.recipes, peak_tflops=args.peak_tflops)
     print(f"mxmoe report: wrote {report}")
     print(report.read_text())

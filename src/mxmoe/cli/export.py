@@ -12,6 +12,7 @@ from ..training.export import EXPORT_FORMATS, evaluate_source, export_checkpoint
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """`mxmoe export`: write a checkpoint's weights as safetensors (bf16, or MXFP8 codes + scales)."""
     meta = export_checkpoint(args.checkpoint, args.output, args.format, args.scale_mode)
     n_q = len(meta["quantized"])
     detail = (f"{n_q} weights as MXFP8 (E4M3 data + E8M0 scales, blocks of {meta['block_size']} along the last dim, "
@@ -21,6 +22,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """`mxmoe eval`: validation loss of a checkpoint or an export on the run's corpus."""
     r = evaluate_source(args.source, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                         n_batches=args.eval_batches, recipe=args.recipe, quant_backend=args.quant_backend,
                         device=args.device)

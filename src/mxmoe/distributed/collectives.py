@@ -65,11 +65,14 @@ class CommStats:
         self._events: list[tuple[CommRecord, object, object]] = []
 
     def reset(self) -> None:
+        """Forget every record (start of a new measurement window)."""
         self.records.clear()
         self._events.clear()
 
     @contextmanager
     def record(self, kind: str, bytes_remote: int, bytes_total: int, device: torch.device):
+        """Context manager around one collective: appends a record of ``kind`` with its bytes
+        (sent to other ranks / in all) and, on CUDA, times the block with CUDA events."""
         rec = CommRecord(kind, bytes_remote, bytes_total)
         self.records.append(rec)
         if device.type == "cuda":
@@ -148,10 +151,12 @@ class AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RC: Tensor, recv_splits: list[int], send_splits: list[int], group, stats, kind: str):
+        """Send rows of x (R, C) in ``send_splits`` chunks, receive ``recv_splits`` rows per rank."""
         ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.kind = recv_splits, send_splits, group, stats, kind
         return all_to_all_rows(x_RC, recv_splits, send_splits, group, stats, kind)
 
     @staticmethod
     def backward(ctx, dy_RC: Tensor):
+        """The reverse all-to-all of the gradient rows (splits swapped)."""
         dx = all_to_all_rows(dy_RC, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
         return dx, None, None, None, None, None

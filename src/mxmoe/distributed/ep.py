@@ -230,6 +230,10 @@ class ExpertParallelMoELayer(nn.Module):
         return torch.stack(gathered).cpu()
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
+        """This rank's tokens x (..., D) -> (y like x, :class:`~mxmoe.moe.layer.MoEAux`): route
+        locally, all-to-all the rows to the ranks that own their experts (MXFP8 codes +
+        scales with ``mx_dispatch``), run the local experts, all-to-all back, combine. Every
+        rank must call it (collectives); the module docstring has the data flow."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         T, D = x_TD.shape

@@ -38,6 +38,7 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """Rank 0 (the process that reports and writes files)."""
         return self.rank == 0
 
 

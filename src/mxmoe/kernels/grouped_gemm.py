@@ -56,6 +56,7 @@ class TileOrder(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "TileOrder | str") -> "TileOrder":
+        """The order named ``value``; ValueError naming the valid ones otherwise."""
         try:
             return cls(value)
         except ValueError:

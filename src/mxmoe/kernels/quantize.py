@@ -103,6 +103,7 @@ _GROUPED_TOK_INTERPRETER_G = 2  # 32-token blocks per program of the grouped deq
 
 
 def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (env TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -110,18 +110,22 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activation dtype as a torch.dtype (``dtype`` is its name)."""
         return _DTYPES[self.dtype]
 
     def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` (from 0) has an MoE FFN: every ``moe_every``-th block, the last of each group."""
         return i % self.moe_every == self.moe_every - 1
 
     def to_dict(self) -> dict:
+        """JSON-ready dict of the fields (what checkpoints store); :meth:`from_dict` reverses it."""
         d = dataclasses.asdict(self)
         d["quantized"] = list(self.quantized)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """The config from :meth:`to_dict`'s dict; unknown keys (from newer versions) are ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -139,6 +143,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (..., dim) -> same shape and dtype: x / rms(x) * weight, computed in float32."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         return y.to(x.dtype)
@@ -177,6 +182,7 @@ class CausalSelfAttention(nn.Module):
         return mx_linear(x, w, self.recipe) if self.quantize else _high_precision_linear(x, w)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x (B, S, D) -> (B, S, D); cos, sin: RoPE tables (>= S, head_dim / 2) float32."""
         B, S, D = x_BSD.shape
         H = self.n_heads
         qkv = self._linear(x_BSD, self.wqkv).view(B, S, 3, H, D // H)
@@ -187,6 +193,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is a
+    :class:`~mxmoe.moe.MoELayer` where ``cfg.is_moe_layer(layer_idx)``, else a dense SwiGLU.
+    The expert / dense GEMMs use ``recipe`` when "experts" / "dense" is in
+    ``cfg.quantized``, bf16 otherwise."""
+
     def __init__(self, cfg: ModelConfig, recipe: Recipe, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -204,6 +215,8 @@ class Block(nn.Module):
             self.dense_recipe = dense_recipe
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """x (B, S, D) -> (x', aux): aux is the MoE layer's :class:`~mxmoe.moe.layer.MoEAux`
+        or None for a dense block."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if self.is_moe:
@@ -275,6 +288,9 @@ class MoETransformer(nn.Module):
         return 6.0 * matmul_active + 6.0 * self.cfg.n_layers * seq_len * self.cfg.d_model
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> LMOutput:
+        """idx (B, S) int64 token ids -> :class:`LMOutput` (logits float32 (B, S, vocab),
+        mean aux and z losses of the MoE layers, and with ``targets`` (B, S) the cross
+        entropy). Raises ValueError if S > cfg.max_seq_len."""
         cfg = self.cfg
         B, S = idx.shape
         if S > cfg.max_seq_len:

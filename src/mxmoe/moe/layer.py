@@ -87,6 +87,9 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
+        """Route T tokens: x_TD (T, D) float32/bfloat16 -> :class:`RouterOutput` (float32
+        logits and probabilities (T, E), top-k weights renormalized to sum to 1 and expert
+        indices (T, k); ties broken by the lower expert index, as the issue asks)."""
         logits_TE = _Float32Linear.apply(x_TD, self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         # topk on probs; a stable sort by descending value keeps the lower index first on ties
@@ -272,6 +275,8 @@ class SwiGLU(nn.Module):
         nn.init.normal_(self.w2, std=0.02 / math.sqrt(2 * n_layers))
 
     def forward(self, x: Tensor, recipe: Recipe) -> Tensor:
+        """x (..., D) -> (..., D): w2 (silu(gate) * up) with [gate; up] = w13 x, both GEMMs
+        through :func:`~mxmoe.ops.mx_linear` under ``recipe``."""
         gate, up = mx_linear(x, self.w13, recipe).chunk(2, dim=-1)
         return mx_linear(F.silu(gate) * up, self.w2, recipe)
 
@@ -346,6 +351,9 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert: Tensor | None = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
+        """x (..., D) float32/bfloat16 -> (y of x's shape and dtype, :class:`MoEAux`): route,
+        sort the T * k assignments by expert (stable), run the experts, combine with the
+        router weights; plus the shared expert if any. See the class docstring."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         T, D = x_TD.shape

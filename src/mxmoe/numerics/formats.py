@@ -59,6 +59,7 @@ class ElemFormat(str, enum.Enum):
 
     @property
     def spec(self) -> "ElemSpec":
+        """The element format's bit layout and limits (:data:`ELEM_SPECS`)."""
         return ELEM_SPECS[self]
 
 
@@ -103,10 +104,12 @@ class ElemSpec:
 
     @property
     def min_normal_exp(self) -> int:
+        """Unbiased exponent of the smallest normal value (1 - bias)."""
         return 1 - self.bias
 
     @property
     def min_subnormal(self) -> float:
+        """Smallest positive (subnormal) magnitude: 2^(min_normal_exp - mbits)."""
         return 2.0 ** (self.min_normal_exp - self.mbits)
 
 

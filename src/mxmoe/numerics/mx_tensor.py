@@ -120,6 +120,12 @@ class MXTensor:
 
 
 def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
+    """Validate the arguments every quantizer shares; returns ``dim`` made non-negative.
+
+    Raises:
+        TypeError: x not a float32/bfloat16/float16 tensor.
+        ValueError: x 0-d; block_size not a positive int; dim out of range.
+    """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_INPUT_DTYPES:

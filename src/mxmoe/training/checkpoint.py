@@ -111,8 +111,10 @@ class MetricsWriter:
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one JSON line and flush (a crash loses at most the line being written)."""
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
 
     def close(self) -> None:
+        """Close the metrics file."""
         self._f.close()

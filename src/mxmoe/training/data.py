@@ -50,6 +50,7 @@ class Corpus:
     source: str
 
     def describe(self) -> str:
+        """One line: source, train / val token counts, vocabulary size."""
         return (f"{self.source}: {self.train.numel():,} train / {self.val.numel():,} val tokens, "
                 f"vocab {self.vocab_size}")
 

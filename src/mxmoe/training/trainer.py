@@ -135,12 +135,14 @@ class TrainConfig:
             _bad(f"--mx-dispatch rounds expert inputs to MXFP8; recipe {self.recipe!r} does not quantize")
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the config (the model config nested); :meth:`from_dict` reverses it."""
         d = dataclasses.asdict(self)
         d["model"] = self.model.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        """The config :meth:`to_dict` wrote (the model config nested)."""
         d = dict(d)
         model = ModelConfig.from_dict(d.pop("model"))
         known = {f.name for f in dataclasses.fields(cls)}

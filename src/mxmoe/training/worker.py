@@ -62,6 +62,7 @@ def checkpoint_step(out_dir: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry of one torchrun worker: train the JSON TrainConfig given as argument; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m mxmoe.training.worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the run's TrainConfig.to_dict() as JSON text")
     ap.add_argument("--resume", action="store_true", help="continue from out_dir/checkpoint.pt")
