@@ -79,9 +79,9 @@ def activation_bytes(m, x, dev):
     return kept
 
 
-def breakdown(m, x, dy, top=None):
-    """CUDA time per stage of one forward + backward (torch.profiler kernel names); with
-    ``top`` also the ``top`` largest kernels of the "other" class as {name: us}."""
+def breakdown(m, x, dy, top=0):
+    """(CUDA time per stage of one forward + backward from torch.profiler kernel names,
+    the ``top`` largest kernels of the "other" class as {name: us}, empty for top 0)."""
     from torch.profiler import ProfilerActivity, profile
 
     step(m, x, dy)
@@ -111,8 +111,6 @@ def breakdown(m, x, dy, top=None):
             cat = "other (combine, casts, elementwise)"
             others[e.key[:90]] = others.get(e.key[:90], 0.0) + us
         cats[cat] += us
-    if top is None:
-        return dict(cats)
     return dict(cats), dict(sorted(others.items(), key=lambda kv: -kv[1])[:top])
 
 
@@ -181,12 +179,10 @@ def main() -> int:
         if mem["bf16"]:
             row["memory_vs_bf16"] = {n: v / mem["bf16"] for n, v in mem.items() if v is not None}
         if not smoke:
-            if args.top:
-                row["breakdown_us_mxfp8_fused"], row["top_other_us_mxfp8_fused"] = breakdown(mx, x, dy, args.top)
-                row["breakdown_us_bf16"], row["top_other_us_bf16"] = breakdown(bf, x, dy, args.top)
-            else:
-                row["breakdown_us_mxfp8_fused"] = breakdown(mx, x, dy)
-                row["breakdown_us_bf16"] = breakdown(bf, x, dy)
+            for key, m in (("mxfp8_fused", mx), ("bf16", bf)):
+                row[f"breakdown_us_{key}"], top = breakdown(m, x, dy, args.top)
+                if top:
+                    row[f"top_other_us_{key}"] = top
         rows.append(row)
         print(f"\nT={T} D={D} F={F} E={E} k={k}")
         for n in t:

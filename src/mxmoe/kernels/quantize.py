@@ -315,9 +315,7 @@ def _along_dim_checks(x: Tensor, dim: int, fmt: str, mode: str, pad: bool) -> No
     _codes(fmt, mode)
     if not 0 <= dim < x.dim():
         raise ValueError(f"dim={dim} for a {x.dim()}-d tensor; quantize_along_dim takes 0..{x.dim() - 1}")
-    if x.shape[dim] % BLOCK and not pad:
-        raise ValueError(f"size {x.shape[dim]} along dim {dim} is not a multiple of {BLOCK}; pass pad=True "
-                         f"(zero padding is exact)")
+    _check_blocked_dim(x.shape[dim], f"the size along dim {dim}", pad)
 
 
 @quantize_along_dim.register_fake

@@ -147,7 +147,7 @@ class _MXRoundRows(torch.autograd.Function):
         return dx_TD, None
 
 
-# eager under torch.compile, as mx_grouped_mm (graph breaks around it; see ops/grouped_mm.py)
+# eager under torch.compile: the note at mxmoe.ops.grouped_mm._apply
 _round_rows_eager = torch.compiler.disable(_MXRoundRows.apply)
 
 
@@ -218,7 +218,7 @@ class _CombineFP8(torch.autograd.Function):
         return d_y_AD.index_select(0, order_A), None, d_w, None
 
 
-# eager under torch.compile, as mx_grouped_mm (the combine without FP8 saving compiles)
+# eager under torch.compile (the note at mxmoe.ops.grouped_mm._apply); the plain combine compiles
 _combine_fp8_eager = torch.compiler.disable(_CombineFP8.apply)
 
 

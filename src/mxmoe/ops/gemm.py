@@ -12,6 +12,7 @@ Legend: T tokens, K / N contraction and output features, E experts.
 
 from __future__ import annotations
 
+import importlib.util
 
 import torch
 from torch import Tensor
@@ -128,15 +129,7 @@ def _group_bounds(offsets_E: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-_TRITON_AVAILABLE: list[bool] = []
-
-
-def _triton_available() -> bool:
-    if not _TRITON_AVAILABLE:  # a plain cache: torch.compile reads it (see _grouped_mm_supported)
-        import importlib.util
-
-        _TRITON_AVAILABLE.append(importlib.util.find_spec("triton") is not None)
-    return _TRITON_AVAILABLE[0]
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None  # finds, does not import
 
 
 def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
@@ -158,7 +151,7 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
         out = x_TC.clone()
         out[n:] = 0
         return out
-    if x_TC.device.type == "cuda" and x_TC.is_contiguous() and x_TC.dim() == 2 and _triton_available():
+    if x_TC.device.type == "cuda" and x_TC.is_contiguous() and x_TC.dim() == 2 and _TRITON_AVAILABLE:
         # an output fresh from the GEMM: zero its tail in place, moving no data when there is none
         from ..kernels.rows import zero_rows_past_end_
 
@@ -258,7 +251,7 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups
             out[e] = a_NL[:, s:t] @ b_KL[:, s:t].t()
     if nonempty_groups:
         return out
-    if out.device.type == "cuda" and out.is_contiguous() and _triton_available():
+    if out.device.type == "cuda" and out.is_contiguous() and _TRITON_AVAILABLE:
         # an output fresh from the GEMM: zero only the empty experts' matrices, in place
         from ..kernels.rows import zero_empty_groups_
 

@@ -80,10 +80,12 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
-# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
-# H200 (torch 2.11; root cause not pinned down, benchmarks/results/h200_compile/README.md),
-# and their kernels are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+# torch.compile runs our MXFP8 autograd Functions eagerly, a graph break on each side (the
+# ops around them still compile); this is the one note for all of them (mx_grouped_mm,
+# mx_linear, mx_moe_experts, the layer's MXFP8 combine and dispatch rounding): Dynamo's
+# tracing of them returned zero gradients on the H200 (torch 2.11; root cause not pinned
+# down, benchmarks/results/h200_compile/README.md), and their kernels are custom ops
+# Inductor cannot fuse into anyway (tests/test_compile.py).
 _apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
 
 

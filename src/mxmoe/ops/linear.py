@@ -75,10 +75,7 @@ class _MXLinearFunction(torch.autograd.Function):
         return dx, dw, None
 
 
-# torch.compile runs this op eagerly, a graph break on each side (the ops around it still
-# compile): Dynamo's tracing of these autograd.Functions returned zero gradients on the
-# H200 (torch 2.11; root cause not pinned down, benchmarks/results/h200_compile/README.md),
-# and their kernels are custom ops Inductor cannot fuse into anyway (tests/test_compile.py).
+# eager under torch.compile: the note at mxmoe.ops.grouped_mm._apply
 _apply = torch.compiler.disable(_MXLinearFunction.apply)
 
 
@@ -102,7 +99,8 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
 
     K and the number of tokens need not be multiples of 32: tail blocks are zero padded,
     which leaves every product unchanged. Under ``torch.compile`` the quantizing recipes run
-    eagerly, with a graph break on each side (note at ``_apply``); "bf16" is F.linear and compiles.
+    eagerly, with a graph break on each side (note at ``mxmoe.ops.grouped_mm._apply``); "bf16"
+    is F.linear and compiles.
     """
     recipe = get_recipe(recipe)
     if x.dtype not in _ACT_DTYPES:

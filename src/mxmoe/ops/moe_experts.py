@@ -194,11 +194,8 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
 @torch.compiler.disable
 def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
     """The routing preconditions on the CPU (free there; on CUDA reading them back would
-    sync), then the op. torch.compile runs this eagerly, a graph break on each side (the
-    ops around it still compile): Dynamo's tracing of these autograd.Functions returned
-    zero gradients on the H200 (torch 2.11; root cause not pinned down,
-    benchmarks/results/h200_compile/README.md), and their kernels are custom ops Inductor
-    cannot fuse into anyway (tests/test_compile.py). Eager, the checks hold under compile too."""
+    sync), then the op. Eager under torch.compile (the note at
+    ``mxmoe.ops.grouped_mm._apply``), so the checks hold there too."""
     T, A = x_TD.shape[0], src_A.numel()
     if x_TD.device.type == "cpu" and A:
         k = A // T
@@ -232,7 +229,7 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
             preconditions are not checked: it would cost a host sync).
 
     Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
-    ``_apply``).
+    ``mxmoe.ops.grouped_mm._apply``).
     """
     E, F2, D = w13_E2FD.shape
     if not supports_fused_experts(D, F2 // 2, recipe):
