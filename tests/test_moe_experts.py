@@ -215,6 +215,96 @@ def test_fp8_combine_forward_bit_equal_backward_reads_mxfp8_y():
     assert torch.equal(dw1, ww.grad)
 
 
+def _same(a, b):
+    """Bit for bit, except that any NaN equals any NaN (payloads and signs of NaN vary with
+    the casts that carried them)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]) and torch.equal(
+        a[~nan].signbit(), b[~nan].signbit())
+
+
+def _specials(y, g):
+    """y with whole rows of inf/NaN and a -0.0 block: the scale rules' non-finite blocks."""
+    y = y.clone()
+    rows = torch.randperm(y.shape[0], generator=g)[:3]
+    y[rows[0], 5] = float("inf")
+    y[rows[1], 40] = float("nan")
+    y[rows[2], :32] = -0.0
+    return y
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [96, 160])
+def test_fused_combine_triton_equals_reference(k, dtype, D):
+    """The MXFP8-saving combine as one Triton kernel each way against the torch path:
+    output and the rows' gradient bit for bit (the same products in y's dtype, summed in
+    float32 in choice order); the weights' gradient, a float32 sum over D in another order,
+    to float32 rounding (bf16: bit for bit here, within 1 ulp in general), NaN where the
+    torch path has NaN (a non-finite block)."""
+    from mxmoe.moe.layer import combine_weighted
+
+    g = torch.Generator().manual_seed(10 * k + D)
+    T = 37
+    y = _specials(spread(T * k, D, k), g).to(dtype)
+    order = torch.randperm(T * k, generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    dy = torch.randn(T, D, generator=g).to(dtype)
+    outs = []
+    for recipe, dev in ((REF, "cpu"), (TRI, DEV)):
+        yy = y.to(dev).clone().requires_grad_(True)
+        ww = w.to(dev).clone().requires_grad_(True)
+        out = combine_weighted(yy, order.to(dev), ww, recipe)
+        out.backward(dy.to(dev))
+        outs.append([t.detach().cpu() for t in (out, yy.grad, ww.grad)])
+    (o0, dy0, dw0), (o1, dy1, dw1) = outs
+    assert _same(o0, o1) and o0.isnan().any()
+    assert _same(dy0, dy1)
+    assert torch.equal(dw0.isnan(), dw1.isnan()) and dw0.isnan().any()
+    ok = ~dw0.isnan()
+    tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(dw1[ok], dw0[ok], rtol=tol, atol=1e-6)
+
+
+def test_fused_combine_empty_and_refusals():
+    """T = 0 gives empty outputs on the fused path; the kernels' host checks refuse
+    mismatched weights, dtypes and a non-int64 inverse permutation."""
+    from mxmoe.kernels import moe as km
+    from mxmoe.moe.layer import combine_weighted
+
+    y = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    w = torch.zeros(0, 2, device=DEV, requires_grad=True)
+    out = combine_weighted(y, torch.zeros(0, dtype=torch.int64, device=DEV), w, TRI)
+    out.float().sum().backward()
+    assert out.shape == (0, 64) and y.grad.shape == (0, 64) and w.grad.shape == (0, 2)
+    y = torch.randn(8, 64, device=DEV).bfloat16()
+    inv = torch.randperm(8).to(DEV)
+    with pytest.raises(ValueError, match="T \\* k"):
+        km.triton_combine_quantize(y, inv, torch.ones(3, 2, device=DEV).bfloat16(), "e4m3", "rceil")
+    with pytest.raises(TypeError, match="dtype"):
+        km.triton_combine_quantize(y, inv, torch.ones(4, 2, device=DEV), "e4m3", "rceil")
+    with pytest.raises(ValueError, match="int64"):
+        km.triton_combine_quantize(y, inv.int(), torch.ones(4, 2, device=DEV).bfloat16(), "e4m3", "rceil")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        km.triton_combine_quantize(y[:, :48], inv, torch.ones(4, 2, device=DEV).bfloat16(), "e4m3", "rceil")
+    with pytest.raises(ValueError, match="k = 3"):
+        km.triton_sum_token_rows(y, inv, 3, torch.bfloat16)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_token_rows_triton_equals_reference(k, dtype):
+    """The expert op's dx un-permute: one gather-and-sum kernel, bit for bit the torch path
+    (index_select, float32 sum over k in row order), including inf and NaN rows."""
+    g = torch.Generator().manual_seed(k)
+    T, D = 29, 200
+    x = _specials(spread(T * k, D, 3), g).to(dtype)
+    rows = torch.randperm(T * k, generator=g)
+    want = me.sum_token_rows(x, rows, k, torch.bfloat16, REF)
+    got = me.sum_token_rows(x.to(DEV), rows.to(DEV), k, torch.bfloat16, TRI).cpu()
+    assert _same(got, want) and want.isnan().any() and want.isinf().any()
+
+
 def test_float32_activations_take_the_composed_path():
     """The fused op is bf16-only (float32 would be rounded to bf16 before its MXFP8
     rounding): a fused layer given float32 activations runs the composed path, bit for bit,

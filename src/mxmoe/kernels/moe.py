@@ -6,6 +6,9 @@
 | :func:`triton_quantize_grouped_gather` | x (T, D), src (A,), offsets (E,) | codes (D, Ap), scales (D, Ap / 32), padded offsets: x[src] blocked along each expert's tokens |
 | :func:`triton_swiglu_quantize` | h (A, 2F) | act (A, F) dequantized MXFP8 of silu(gate) * up; codes (A, 2F) + scales (A, 2F / 32) of h |
 | :func:`triton_swiglu_backward` | codes + scales of h, d(act) (A, F) | dh (A, 2F), recomputed act (A, F) |
+| :func:`triton_combine_quantize` | y (A, D) sorted by expert, inv (A,), w (T, k) | y_TD (T, D) weighted sum over k; codes (A, D) + scales (A, D / 32) of y in (token, choice) order |
+| :func:`triton_combine_backward` | dy (T, D), w (T, k), codes + scales of y, inv (A,) | d(y sorted) (A, D), d(w) (T, k) float32 |
+| :func:`triton_sum_token_rows` | x (A, D), rows (T * k,) | (T, D): each token's k rows summed in float32 |
 
 D and F must be multiples of 32 (the callers in :mod:`mxmoe.ops.moe_experts` check and
 otherwise take the composed path). FP8 element formats only.
@@ -27,7 +30,8 @@ from .quantize import _check_tensor, _codes, _grouped_launch, _launch_settings, 
 
 BLOCK = 32
 # (rows, columns) per program and warps, on the GPU and under the interpreter
-TUNING = {"gather": ((32, 128), 4), "swiglu": ((32, 64), 4), "swiglu_bwd": ((32, 64), 4)}
+TUNING = {"gather": ((32, 128), 4), "swiglu": ((32, 64), 4), "swiglu_bwd": ((32, 64), 4),
+          "combine": ((16, 128), 4), "combine_bwd": ((16, 128), 4), "sum_rows": ((16, 256), 4)}
 _INTERPRETER_TILE = (64, 128)
 
 
@@ -153,3 +157,143 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
 def _(hq, hs, dact_AF, out_dtype):
     A, F = dact_AF.shape
     return dact_AF.new_empty(A, 2 * F, dtype=out_dtype), dact_AF.new_empty(A, F, dtype=out_dtype)
+
+
+def _check_rows(rows: Tensor, name: str, n: int) -> None:
+    if rows.dtype != torch.int64 or rows.dim() != 1 or rows.numel() != n:
+        raise ValueError(f"{name} must be a 1-D int64 tensor of {n} rows, got {rows.dtype} {tuple(rows.shape)}")
+
+
+def _check_topk(w_Tk: Tensor, A: int) -> tuple[int, int]:
+    if w_Tk.dim() != 2 or w_Tk.shape[0] * w_Tk.shape[1] != A:
+        raise ValueError(f"weights must be (T, k) with T * k = A = {A} routed rows, got {tuple(w_Tk.shape)}")
+    return w_Tk.shape[0], w_Tk.shape[1]
+
+
+@torch.library.custom_op("mxmoe::combine_quantize", mutates_args=())
+def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fmt: str, mode: str
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """The weighted combine of the MoE layer fused with the MXFP8 quantization of the
+    per-choice outputs it keeps for backward.
+
+    Args:
+        y_sorted_AD: (A, D) float32/bfloat16 expert outputs, rows sorted by expert; D a
+            multiple of 32.
+        inv_A: (A,) int64, the sorted row of assignment a = t * k + j (the inverse of the
+            sort permutation).
+        w_Tk: (T, k) combine weights in y's dtype, T * k = A.
+        fmt, mode: element format ("e4m3"/"e5m2") and scale rule ("floor"/"rceil").
+
+    Returns:
+        y_TD (T, D) in y's dtype: sum over j = 0..k-1 of w[t, j] * y[inv[t * k + j]], each
+        product rounded to y's dtype, summed in float32 in that order and rounded once
+        (the arithmetic of ``(y_AD.view(T, k, D) * w.unsqueeze(-1)).sum(1)``; bit-equal to
+        it for k <= 2, where the order of a float32 sum cannot matter);
+        codes (A, D) and E8M0 scales (A, D / 32) of y in (token, choice) order, blocks
+        along D, bit-equal to :func:`~mxmoe.numerics.mx_tensor.quantize_mx`.
+
+    Raises:
+        ValueError / TypeError: shapes, dtypes or a D that is not a multiple of 32.
+    """
+    A, D = y_sorted_AD.shape
+    _check(y_sorted_AD, "y", D)
+    _check_rows(inv_A, "inv", A)
+    T, k = _check_topk(w_Tk, A)
+    if w_Tk.dtype != y_sorted_AD.dtype:
+        raise TypeError(f"weights are {w_Tk.dtype}, y is {y_sorted_AD.dtype}: pass the weights in y's dtype")
+    elem, q_dtype, mode_code = _codes(fmt, mode)
+    dev = y_sorted_AD.device
+    out = torch.empty(T, D, dtype=y_sorted_AD.dtype, device=dev)
+    q = torch.empty(A, D, dtype=torch.uint8, device=dev)
+    s = torch.empty(A, D // BLOCK, dtype=torch.uint8, device=dev)
+    if A and D:
+        br, bc, w = _tile("combine")
+        cfg = _launch_settings("rows")
+        km._combine_quantize_kernel[(triton.cdiv(D, bc), triton.cdiv(T, br))](
+            y_sorted_AD.contiguous(), inv_A.contiguous(), w_Tk.contiguous(), T, D, out, q, s, TOPK=k, ELEM=elem,
+            MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc,
+            num_warps=w)
+    return out, q.view(q_dtype), s.view(torch.float8_e8m0fnu)
+
+
+@triton_combine_quantize.register_fake
+def _(y_sorted_AD, inv_A, w_Tk, fmt, mode):
+    A, D = y_sorted_AD.shape
+    return (y_sorted_AD.new_empty(w_Tk.shape[0], D), y_sorted_AD.new_empty(A, D, dtype=_codes(fmt, mode)[1]),
+            y_sorted_AD.new_empty(A, D // BLOCK, dtype=torch.float8_e8m0fnu))
+
+
+@torch.library.custom_op("mxmoe::combine_backward", mutates_args=())
+def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: Tensor, inv_A: Tensor
+                            ) -> tuple[Tensor, Tensor]:
+    """Backward of :func:`triton_combine_quantize` from the codes it saved.
+
+    Args:
+        dy_TD: (T, D) float32/bfloat16 gradient of the combined output.
+        w_Tk: (T, k) combine weights in dy's dtype.
+        yq_AD, ys_AD: (A, D) FP8 codes and (A, D / 32) E8M0 scales of the per-choice
+            outputs in (token, choice) order.
+        inv_A: (A,) int64 sorted row of each assignment.
+
+    Returns:
+        d_y_sorted (A, D) in dy's dtype, expert-sorted rows: row inv[t * k + j] is
+        dy[t] * w[t, j] rounded to dy's dtype; d_w (T, k) float32: sum over D of
+        dy[t] * y[t * k + j] (each product rounded to dy's dtype, float32 sum in column
+        blocks, rounded to dy's dtype), y the dequantized codes.
+    """
+    T, D = dy_TD.shape
+    _check(dy_TD, "dy", D)
+    if w_Tk.dim() != 2 or w_Tk.shape[0] != T:
+        raise ValueError(f"weights must be (T, k) with T = {T} (dy's rows), got {tuple(w_Tk.shape)}")
+    k = w_Tk.shape[1]
+    A = T * k
+    _check_rows(inv_A, "inv", A)
+    if w_Tk.dtype != dy_TD.dtype:
+        raise TypeError(f"weights are {w_Tk.dtype}, dy is {dy_TD.dtype}: pass the weights in dy's dtype")
+    if tuple(yq_AD.shape) != (A, D) or tuple(ys_AD.shape) != (A, D // BLOCK):
+        raise ValueError(f"codes {tuple(yq_AD.shape)} / scales {tuple(ys_AD.shape)} do not match "
+                         f"({A}, {D}) / ({A}, {D // BLOCK})")
+    elem = 0 if yq_AD.dtype == torch.float8_e4m3fn else 1
+    dev = dy_TD.device
+    dys = torch.empty(A, D, dtype=dy_TD.dtype, device=dev)
+    dw = torch.empty(T, k, dtype=torch.float32, device=dev)
+    if A and D:
+        br, bc, w = _tile("combine_bwd")
+        km._combine_backward_kernel[(triton.cdiv(T, br),)](
+            dy_TD.contiguous(), w_Tk.contiguous(), yq_AD.contiguous().view(torch.uint8),
+            ys_AD.contiguous().view(torch.uint8), inv_A.contiguous(), T, D, dys, dw, TOPK=k,
+            TOPK_P2=triton.next_power_of_2(k), ELEM=elem, SOFT_CASTS=_launch_settings("rows")["soft_casts"],
+            BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    elif T:
+        dw.zero_()
+    return dys, dw
+
+
+@triton_combine_backward.register_fake
+def _(dy_TD, w_Tk, yq_AD, ys_AD, inv_A):
+    return dy_TD.new_empty(yq_AD.shape[0], dy_TD.shape[1]), dy_TD.new_empty(w_Tk.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mxmoe::sum_token_rows", mutates_args=())
+def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype) -> Tensor:
+    """out[t] = sum over j = 0..k-1 of x[rows[t * k + j]], in float32 in that order, rounded
+    once to ``out_dtype``: the un-permute of a routed gradient, a gather (deterministic, no
+    atomics). x (A, D) float32/bfloat16; rows (A,) int64, A = T * k. Returns (T, D)."""
+    A, D = x_AD.shape
+    _check_tensor(x_AD, "x")
+    _check_rows(rows_A, "rows", A)
+    if k < 1 or A % k:
+        raise ValueError(f"{A} rows are not k = {k} rows per token")
+    T = A // k
+    out = torch.empty(T, D, dtype=out_dtype, device=x_AD.device)
+    if A and D:
+        br, bc, w = _tile("sum_rows")
+        km._sum_token_rows_kernel[(triton.cdiv(D, bc), triton.cdiv(T, br))](
+            x_AD.contiguous(), rows_A.contiguous(), T, D, out, TOPK=k,
+            SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return out
+
+
+@triton_sum_token_rows.register_fake
+def _(x_AD, rows_A, k, out_dtype):
+    return x_AD.new_empty(x_AD.shape[0] // k, x_AD.shape[1], dtype=out_dtype)

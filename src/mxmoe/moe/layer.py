@@ -32,7 +32,8 @@ from torch.autograd.function import once_differentiable
 from ..ops import mx_grouped_mm, mx_linear
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..ops.sm100 import use_native_mx_grouped_mm
-from ..numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx
+from ..numerics.formats import ElemFormat
+from ..numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx, use_triton
 from ..ops.quantize import fake_quantize
 from ..recipe import Recipe
 
@@ -197,25 +198,48 @@ class _CombineFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, recipe: Recipe) -> Tensor:
         D = y_sorted_AD.shape[1]
-        y_AD, w_Tk, y_TD = _combine(y_sorted_AD, order_A, weights_Tk)
-        mx = quantize_mx(y_AD, recipe.fmt, block_size=recipe.block_size, dim=1, scale_mode=recipe.scale_mode,
-                         pad=True, backend=recipe.backend)
-        ctx.save_for_backward(mx.qdata, mx.scale, order_A, w_Tk)
-        ctx.meta = (recipe, D, weights_Tk.dtype)
+        fused = _combine_triton(y_sorted_AD, recipe)
+        if fused:  # one kernel: gather, weight, sum over k, quantize y
+            from ..kernels.moe import triton_combine_quantize
+
+            A = order_A.numel()
+            inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
+            w_Tk = weights_Tk.to(y_sorted_AD.dtype)
+            y_TD, q, s = triton_combine_quantize(y_sorted_AD, inv_A, w_Tk, recipe.fmt, recipe.scale_mode)
+            ctx.save_for_backward(q, s, inv_A, w_Tk)
+        else:
+            y_AD, w_Tk, y_TD = _combine(y_sorted_AD, order_A, weights_Tk)
+            mx = quantize_mx(y_AD, recipe.fmt, block_size=recipe.block_size, dim=1, scale_mode=recipe.scale_mode,
+                             pad=True, backend=recipe.backend)
+            ctx.save_for_backward(mx.qdata, mx.scale, order_A, w_Tk)
+        ctx.meta = (recipe, D, weights_Tk.dtype, fused)
         return y_TD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_TD: Tensor):
         q, s, order_A, w_Tk = ctx.saved_tensors
-        recipe, D, w_dtype = ctx.meta
+        recipe, D, w_dtype, fused = ctx.meta
         T, k = w_Tk.shape
         dy_TD = dy_TD.to(w_Tk.dtype)
+        if fused:  # order_A holds the inverse permutation here
+            from ..kernels.moe import triton_combine_backward
+
+            d_y_sorted, d_w = triton_combine_backward(dy_TD, w_Tk, q, s, order_A)
+            return d_y_sorted, None, d_w.to(w_dtype), None
         d_y_AD = (dy_TD.unsqueeze(1) * w_Tk.unsqueeze(-1)).reshape(T * k, D)
         mx = MXTensor(q, s, recipe.fmt, recipe.block_size, 1, recipe.scale_mode, D)
         y_AD = dequantize_mx(mx, w_Tk.dtype, backend=recipe.backend)
         d_w = (dy_TD.unsqueeze(1) * y_AD.view(T, k, D)).sum(dim=-1).to(w_dtype)
         return d_y_AD.index_select(0, order_A), None, d_w, None
+
+
+def _combine_triton(y_sorted_AD: Tensor, recipe: Recipe) -> bool:
+    """Whether the MXFP8-saving combine runs as the fused Triton kernels
+    (:func:`mxmoe.kernels.moe.triton_combine_quantize`): the recipe's backend resolves to
+    Triton for y, and D is a multiple of the block size (no padding to write)."""
+    return (use_triton(y_sorted_AD.device, y_sorted_AD.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size,
+                       recipe.backend) and y_sorted_AD.shape[1] % recipe.block_size == 0)
 
 
 # eager under torch.compile (the note at mxmoe.ops.grouped_mm._apply); the plain combine compiles

@@ -118,6 +118,18 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
     return torch.cat([dg, du], dim=1).to(GEMM_DTYPE), (silu * u).to(GEMM_DTYPE)
 
 
+def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype, recipe: Recipe) -> Tensor:
+    """(T, D) ``out_dtype``: out[t] = sum over j = 0..k-1 of x[rows[t * k + j]] in float32,
+    in that order, rounded once (the un-permute of dx; a gather: deterministic). One
+    Triton kernel on the Triton path, index_select + float32 sum otherwise."""
+    if _triton(recipe, x_AD.device, x_AD.dtype):
+        from ..kernels.moe import triton_sum_token_rows
+
+        return triton_sum_token_rows(x_AD, rows_A, k, out_dtype)
+    T, D = x_AD.shape[0] // k, x_AD.shape[1]
+    return x_AD.index_select(0, rows_A).view(T, k, D).float().sum(dim=1).to(out_dtype)
+
+
 def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
     """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap); on the
     Triton path the transposed view of a contiguous (Ap, C) tensor, the layout of the
@@ -181,7 +193,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         T = ctx.T
         k = A // T if T else 1
         order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
-        dx_TD = dx_AD.index_select(0, order).view(T, k, D).float().sum(dim=1).to(ctx.x_dtype)
+        dx_TD = sum_token_rows(dx_AD, order, k, ctx.x_dtype, recipe)
         return dx_TD, dw13.to(w13.dtype), dw2.to(w2.dtype), None, None, None
 
 
