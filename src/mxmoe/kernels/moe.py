@@ -31,7 +31,7 @@ from .quantize import _check_tensor, _codes, _grouped_launch, _launch_settings, 
 BLOCK = 32
 # (rows, columns) per program and warps, on the GPU and under the interpreter
 TUNING = {"gather": ((32, 128), 4), "swiglu": ((32, 64), 4), "swiglu_bwd": ((32, 64), 4),
-          "combine": ((16, 128), 4), "combine_bwd": ((16, 128), 4), "sum_rows": ((16, 256), 4)}
+          "combine": ((4, 512), 4), "combine_bwd": ((4, 512), 4), "sum_rows": ((4, 512), 4)}
 _INTERPRETER_TILE = (64, 128)
 
 
@@ -164,6 +164,15 @@ def _check_rows(rows: Tensor, name: str, n: int) -> None:
         raise ValueError(f"{name} must be a 1-D int64 tensor of {n} rows, got {rows.dtype} {tuple(rows.shape)}")
 
 
+def _check_bf16(t: Tensor, name: str) -> None:
+    """The combine kernels round each product to bf16 before summing, which keeps the GPU
+    compiler from contracting product and sum into one FMA (float32 products would be
+    contracted on the GPU and not in torch or the interpreter: other bits)."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} is {t.dtype}; the fused combine kernels take bfloat16 (the torch path of "
+                        f"mxmoe.moe.layer.combine_weighted covers other dtypes)")
+
+
 def _check_topk(w_Tk: Tensor, A: int) -> tuple[int, int]:
     if w_Tk.dim() != 2 or w_Tk.shape[0] * w_Tk.shape[1] != A:
         raise ValueError(f"weights must be (T, k) with T * k = A = {A} routed rows, got {tuple(w_Tk.shape)}")
@@ -177,8 +186,8 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
     per-choice outputs it keeps for backward.
 
     Args:
-        y_sorted_AD: (A, D) float32/bfloat16 expert outputs, rows sorted by expert; D a
-            multiple of 32.
+        y_sorted_AD: (A, D) bfloat16 expert outputs, rows sorted by expert; D a multiple
+            of 32.
         inv_A: (A,) int64, the sorted row of assignment a = t * k + j (the inverse of the
             sort permutation).
         w_Tk: (T, k) combine weights in y's dtype, T * k = A.
@@ -197,6 +206,7 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
     """
     A, D = y_sorted_AD.shape
     _check(y_sorted_AD, "y", D)
+    _check_bf16(y_sorted_AD, "y")
     _check_rows(inv_A, "inv", A)
     T, k = _check_topk(w_Tk, A)
     if w_Tk.dtype != y_sorted_AD.dtype:
@@ -229,7 +239,7 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
     """Backward of :func:`triton_combine_quantize` from the codes it saved.
 
     Args:
-        dy_TD: (T, D) float32/bfloat16 gradient of the combined output.
+        dy_TD: (T, D) bfloat16 gradient of the combined output.
         w_Tk: (T, k) combine weights in dy's dtype.
         yq_AD, ys_AD: (A, D) FP8 codes and (A, D / 32) E8M0 scales of the per-choice
             outputs in (token, choice) order.
@@ -243,6 +253,7 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
     """
     T, D = dy_TD.shape
     _check(dy_TD, "dy", D)
+    _check_bf16(dy_TD, "dy")
     if w_Tk.dim() != 2 or w_Tk.shape[0] != T:
         raise ValueError(f"weights must be (T, k) with T = {T} (dy's rows), got {tuple(w_Tk.shape)}")
     k = w_Tk.shape[1]

@@ -188,11 +188,19 @@ def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[
 class _CombineFP8(torch.autograd.Function):
     """The weighted combine with the per-choice outputs kept for backward as MXFP8.
 
-    Forward (the composed path's arithmetic, bit for bit): y_AD = rows of y_sorted back in
-    (token, choice) order; y_TD[t] = sum_j w[t, j] * y_AD[t * k + j] in y's dtype. The
-    backward needs y_AD only for the gradient of the combine weights (the router's
-    gradient through them); it reads y_AD quantized to MXFP8 along D (E4M3 + E8M0, the
-    recipe's scale rule) instead of a bf16 copy: D + D / 32 bytes per row against 2 D.
+    Forward (the composed path's arithmetic): y_AD = rows of y_sorted back in (token,
+    choice) order; y_TD[t] = sum_j w[t, j] * y_AD[t * k + j] in y's dtype. The backward
+    needs y_AD only for the gradient of the combine weights (the router's gradient through
+    them); it reads y_AD quantized to MXFP8 along D (E4M3 + E8M0, the recipe's scale rule)
+    instead of a bf16 copy: D + D / 32 bytes per row against 2 D.
+
+    Where :func:`_combine_triton` holds (bf16 y on the Triton backend, the fused MoE
+    layer on CUDA) each direction is one kernel (:mod:`mxmoe.kernels.moe`): forward
+    gathers, weights, sums and quantizes in one read of y; backward writes d(y) in sorted
+    order and d(w) in one read of dy and the codes. Bit for bit the torch path, except
+    the float32 sums: over k in choice order (torch on CUDA sums k > 2 terms in another
+    order) and, for d(w), over D in column blocks; both are then rounded to bf16, so
+    results differ from the torch path by at most about one bf16 ulp, in rare elements.
     """
 
     @staticmethod
@@ -237,9 +245,11 @@ class _CombineFP8(torch.autograd.Function):
 def _combine_triton(y_sorted_AD: Tensor, recipe: Recipe) -> bool:
     """Whether the MXFP8-saving combine runs as the fused Triton kernels
     (:func:`mxmoe.kernels.moe.triton_combine_quantize`): the recipe's backend resolves to
-    Triton for y, and D is a multiple of the block size (no padding to write)."""
-    return (use_triton(y_sorted_AD.device, y_sorted_AD.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size,
-                       recipe.backend) and y_sorted_AD.shape[1] % recipe.block_size == 0)
+    Triton for y, y is bf16 (the kernels' products are rounded to bf16; see
+    ``_check_bf16`` there) and D is a multiple of the block size (no padding to write)."""
+    return (y_sorted_AD.dtype == torch.bfloat16 and y_sorted_AD.shape[1] % recipe.block_size == 0
+            and use_triton(y_sorted_AD.device, y_sorted_AD.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size,
+                           recipe.backend))
 
 
 # eager under torch.compile (the note at mxmoe.ops.grouped_mm._apply); the plain combine compiles
