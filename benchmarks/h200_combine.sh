@@ -10,7 +10,7 @@ OUT_DEFAULT=/tmp/h200_combine LOG_NAME=$PART.log
 . "$(dirname "$0")/h200_session.sh"
 if [ "$PART" = bench ]; then
   run 150 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts.py tests/test_compile.py
-  run 150 python3 benchmarks/combine.py --sweep --out "$OUT/combine.json"
+  run 200 python3 benchmarks/combine.py --sweep --out "$OUT/combine.json"
   run 400 python3 benchmarks/moe_layer.py --compile --top 10 --out "$OUT/moe_layer_compiled.json"
 else
   run 240 python3 benchmarks/check_kernels_cuda.py
