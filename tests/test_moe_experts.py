@@ -241,20 +241,22 @@ def _close_sums(a, b, abs_terms, n_terms):
         return False
     ok = ~a.isnan()
     bound = 2.0 ** -7 * a.abs() + n_terms * 2.0 ** -24 * abs_terms
-    return bool(((a == b) | ((a - b).abs() <= bound))[ok].all())  # a == b: equal infinities too
+    finite = a.isfinite() & b.isfinite() & abs_terms.isfinite()  # elsewhere the bound is inf: ask for equality
+    return bool(((a == b) | (finite & ((a - b).abs() <= bound)))[ok].all())
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("D", [96, 160])
-def test_fused_combine_triton_equals_reference(k, dtype, D):
+@pytest.mark.parametrize("D, fmt, mode", [(96, "e4m3", "rceil"), (160, "e5m2", "floor"), (48, "e4m3", "floor")])
+def test_fused_combine_triton_equals_reference(k, dtype, D, fmt, mode):
     """The MXFP8-saving combine as one Triton kernel each way (bf16) against the torch
     path on the same device: the rows' gradient bit for bit (the same bf16 products); the
     output too for k <= 2 (and on the CPU for any k; torch on CUDA sums k > 2 terms in
     another order); otherwise and for the weights' gradient (a float32 sum over D in
     another order, rounded to bf16) within one bf16 ulp plus the float32 rounding of the
     sum; NaN where the torch path has NaN (a non-finite block). float32 y takes the torch
-    path: bit for bit."""
+    path: bit for bit; so does D = 48 (not a multiple of 32: the torch path pads the saved
+    codes). Both element formats and scale rules; y given column-major (non-contiguous)."""
     from mxmoe.moe.layer import combine_weighted
     from mxmoe.numerics.qdq import fake_quantize_mx
 
@@ -265,8 +267,9 @@ def test_fused_combine_triton_equals_reference(k, dtype, D):
     w = torch.softmax(torch.randn(T, k, generator=g), -1)
     dy = torch.randn(T, D, generator=g).to(dtype)
     outs = []
-    for recipe in (REF, TRI):
-        yy = y.to(DEV).clone().requires_grad_(True)
+    for base in (REF, TRI):
+        recipe = get_recipe(base, fmt=fmt, scale_mode=mode)
+        yy = y.to(DEV).t().contiguous().t().requires_grad_(True)  # same values, column-major
         ww = w.to(DEV).clone().requires_grad_(True)
         out = combine_weighted(yy, order.to(DEV), ww, recipe)
         out.backward(dy.to(DEV))
@@ -283,8 +286,10 @@ def test_fused_combine_triton_equals_reference(k, dtype, D):
     if dtype == torch.float32:
         assert _same(dw0, dw1)
     else:
-        yq = fake_quantize_mx(y_TkD.view(T * k, D), dim=1, backend="reference").view(T, k, D)
+        yq = fake_quantize_mx(y_TkD.view(T * k, D), fmt=fmt, dim=1, scale_mode=mode, pad=True,
+                              backend="reference").view(T, k, D)
         assert _close_sums(dw0, dw1, (dy.float().unsqueeze(1) * yq).abs().sum(-1), D)
+        assert _same(dw1, dw1.bfloat16().float())  # rounded to bf16 like the torch path's d(w)
 
 
 def test_fused_combine_empty_and_refusals():
@@ -318,8 +323,9 @@ def test_fused_combine_empty_and_refusals():
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sum_token_rows_triton_equals_reference(k, dtype):
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+def test_sum_token_rows_triton_equals_reference(k, dtype, out_dtype):
     """The expert op's dx un-permute: one gather-and-sum kernel, bit for bit the torch path
     (index_select, float32 sum over k in row order), including inf and NaN rows; on CUDA
     for k > 2 within the rounding of a float32 sum in another order."""
@@ -327,13 +333,143 @@ def test_sum_token_rows_triton_equals_reference(k, dtype):
     T, D = 29, 200
     x = _specials(spread(T * k, D, 3), g).to(dtype)
     rows = torch.randperm(T * k, generator=g)
-    want = me.sum_token_rows(x, rows, k, torch.bfloat16, REF)
-    got = me.sum_token_rows(x.to(DEV), rows.to(DEV), k, torch.bfloat16, TRI).cpu()
+    want = me.sum_token_rows(x, rows, k, out_dtype, REF)
+    got = me.sum_token_rows(x.to(DEV), rows.to(DEV), k, out_dtype, TRI).cpu()
     assert want.isnan().any() and want.isinf().any()
     if k <= 2 or DEV.type == "cpu":
         assert _same(got, want)
     else:  # torch on CUDA may add k > 2 terms in another order
         assert _close_sums(want, got, x.float().index_select(0, rows).view(T, k, D).abs().sum(1), k)
+
+
+def test_fused_combine_sums_in_choice_order():
+    """The float32 sum over k runs in choice order j = 0..k-1, as documented: terms
+    [2^24, 1, -2^24] give 0 in that order (2^24 + 1 rounds to 2^24) and 1 reversed; the
+    same for the dx un-permute over a token's rows in the given order."""
+    from mxmoe.kernels import moe as km
+
+    D = 32
+    y = torch.tensor([2.0 ** 24, 1.0, -(2.0 ** 24)]).repeat_interleave(D).view(3, D).bfloat16().to(DEV)
+    inv = torch.arange(3, device=DEV)
+    out, _, _ = km.triton_combine_quantize(y, inv, torch.ones(1, 3, device=DEV).bfloat16(), "e4m3", "rceil")
+    assert torch.equal(out.float().cpu(), torch.zeros(1, D))
+    out, _, _ = km.triton_combine_quantize(y, inv.flip(0), torch.ones(1, 3, device=DEV).bfloat16(), "e4m3", "rceil")
+    assert torch.equal(out.float().cpu(), torch.ones(1, D))
+    s = km.triton_sum_token_rows(y, inv, 3, torch.float32)
+    assert torch.equal(s.cpu(), torch.zeros(1, D))
+    s = km.triton_sum_token_rows(y, inv.flip(0), 3, torch.float32)
+    assert torch.equal(s.cpu(), torch.ones(1, D))
+
+
+def test_fused_combine_takes_any_layout_of_dy_and_weights():
+    """dy as autograd gives it for out.sum() (stride 0, expanded) and weights from a
+    transposed tensor: the same results as contiguous copies."""
+    from mxmoe.kernels import moe as km
+
+    g = torch.Generator().manual_seed(4)
+    T, k, D = 9, 2, 64
+    y = spread(T * k, D, 1).bfloat16().to(DEV)
+    inv = torch.randperm(T * k, generator=g).to(DEV)
+    w = torch.rand(k, T, generator=g).bfloat16().to(DEV).t()  # (T, k), not contiguous
+    _, q, s = km.triton_combine_quantize(y, inv, w, "e4m3", "rceil")
+    dy = torch.randn(1, D, generator=g).bfloat16().to(DEV).expand(T, D)
+    a = km.triton_combine_backward(dy, w, q, s, inv)
+    b = km.triton_combine_backward(dy.contiguous(), w.contiguous(), q, s, inv)
+    assert all(_same(u.cpu(), v.cpu()) for u, v in zip(a, b))
+
+
+def test_fused_combine_rejects_what_it_cannot_read():
+    """Codes or scales of the wrong dtype or shape, a 3-D y, an inverse permutation with
+    rows outside [0, A) (checked off CUDA), a non-permutation order through the layer's
+    combine (checked off CUDA), an int32 order: clear errors, nothing read out of bounds."""
+    from mxmoe.kernels import moe as km
+    from mxmoe.moe.layer import combine_weighted
+
+    y = torch.randn(8, 64, device=DEV).bfloat16()
+    inv = torch.randperm(8).to(DEV)
+    w = torch.ones(4, 2, device=DEV).bfloat16()
+    dy = torch.randn(4, 64, device=DEV).bfloat16()
+    _, q, s = km.triton_combine_quantize(y, inv, w, "e4m3", "rceil")
+    with pytest.raises(TypeError, match="float8"):
+        km.triton_combine_backward(dy, w, q.view(torch.uint8), s, inv)
+    with pytest.raises(TypeError, match="e8m0"):
+        km.triton_combine_backward(dy, w, q, s.view(torch.uint8), inv)
+    with pytest.raises(ValueError, match="codes"):
+        km.triton_combine_backward(dy, w, q[:, :32], s, inv)
+    with pytest.raises(ValueError, match="\\(A, D\\)"):
+        km.triton_combine_quantize(y.view(2, 4, 64), inv, w, "e4m3", "rceil")
+    with pytest.raises(TypeError, match="int64"):
+        combine_weighted(y, inv.int(), w.float(), TRI)
+    if DEV.type != "cuda":
+        bad = inv.clone()
+        bad[0] = 8
+        with pytest.raises(IndexError, match="0..7"):
+            km.triton_combine_quantize(y, bad, w, "e4m3", "rceil")
+        with pytest.raises(IndexError, match="0..7"):
+            km.triton_sum_token_rows(y, bad, 2, torch.bfloat16)
+        bad[0] = bad[1]
+        with pytest.raises(ValueError, match="permutation"):
+            combine_weighted(y, bad, w.float(), TRI)
+
+
+def test_fused_combine_empty_sums_are_zero():
+    """k = 0 (no choices) and D = 0: the combine's sums are empty, so zeros, like the
+    torch path's; d(w) over D = 0 is zero too."""
+    from mxmoe.kernels import moe as km
+
+    out, q, s = km.triton_combine_quantize(torch.empty(0, 64, device=DEV).bfloat16(),
+                                           torch.empty(0, dtype=torch.int64, device=DEV),
+                                           torch.empty(3, 0, device=DEV).bfloat16(), "e4m3", "rceil")
+    assert torch.equal(out.float().cpu(), torch.zeros(3, 64)) and q.shape == (0, 64)
+    inv = torch.arange(6, device=DEV)
+    w = torch.ones(3, 2, device=DEV).bfloat16()
+    out, q, s = km.triton_combine_quantize(torch.empty(6, 0, device=DEV).bfloat16(), inv, w, "e4m3", "rceil")
+    assert out.shape == (3, 0)
+    dys, dw = km.triton_combine_backward(torch.empty(3, 0, device=DEV).bfloat16(), w, q, s, inv)
+    assert dys.shape == (6, 0) and torch.equal(dw.cpu(), torch.zeros(3, 2))
+
+
+def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65535 programs (the interpreter does not): every
+    fused MoE kernel puts its rows / tokens on axis 0, so a batch of 300k tokens with
+    k = 8 (2.4M routed rows) launches; the grouped quantizers, whose token blocks are on
+    axis 1, refuse such a launch with a clear error instead of CUDA's "invalid argument"."""
+    from mxmoe.kernels import moe as km
+    from mxmoe.kernels import quantize as kq
+
+    grids = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids[self.name] = grid
+            return lambda *args, **kwargs: None
+
+    for name in ("_gather_fake_quant_rows_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
+                 "_combine_quantize_kernel", "_combine_backward_kernel", "_sum_token_rows_kernel"):
+        monkeypatch.setattr(km.km, name, Recorder(name))
+    T, k, D = 300_000, 8, 32
+    A = T * k
+    x = torch.empty(T, D, dtype=torch.bfloat16, device=DEV)
+    rows = torch.zeros(A, dtype=torch.int64, device=DEV)
+    wide = torch.empty(A, D, dtype=torch.bfloat16, device=DEV)
+    km.triton_gather_fake_quantize_rows(x, rows, "e4m3", "rceil", torch.bfloat16)
+    _, hq, hs = km.triton_swiglu_quantize(torch.empty(A, 2 * D, dtype=torch.bfloat16, device=DEV), "e4m3", "rceil",
+                                          torch.bfloat16)
+    km.triton_swiglu_backward(hq, hs, wide, torch.bfloat16)
+    w = torch.empty(T, k, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setattr(km, "_check_rows", lambda *a: None)  # the zeros above are not a permutation
+    _, q, s = km.triton_combine_quantize(wide, rows, w, "e4m3", "rceil")
+    km.triton_combine_backward(x, w, q, s, rows)
+    km.triton_sum_token_rows(wide, rows, k, torch.bfloat16)
+    assert len(grids) == 6
+    for name, grid in grids.items():
+        assert all(n <= kq.CUDA_GRID_YZ_MAX for n in grid[1:]), (name, grid)
+    with pytest.raises(ValueError, match="65535"):
+        kq._grid(1, kq.CUDA_GRID_YZ_MAX + 1, what="test")
+    assert kq._grid(2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX, what="test") == (2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX)
 
 
 def test_float32_activations_take_the_composed_path():

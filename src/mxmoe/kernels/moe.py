@@ -26,7 +26,7 @@ import triton
 from torch import Tensor
 
 from . import triton_moe as km
-from .quantize import _check_tensor, _codes, _grouped_launch, _launch_settings, interpreting
+from .quantize import _check_tensor, _codes, _grid, _grouped_launch, _launch_settings, interpreting
 
 BLOCK = 32
 # (rows, columns) per program and warps, on the GPU and under the interpreter
@@ -63,7 +63,7 @@ def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode
     if A and D:
         br, bc, w = _tile("gather")
         cfg = _launch_settings("rows")
-        km._gather_fake_quant_rows_kernel[(triton.cdiv(D, bc), triton.cdiv(A, br))](
+        km._gather_fake_quant_rows_kernel[_grid(triton.cdiv(A, br), triton.cdiv(D, bc), what="gather")](
             x_TD, x_TD.stride(0), src_A.contiguous(), A, D, out, ELEM=elem, MODE=mode_code,
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out
@@ -121,7 +121,7 @@ def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.
     if A and F:
         br, bc, w = _tile("swiglu")
         cfg = _launch_settings("rows")
-        km._swiglu_fwd_kernel[(triton.cdiv(F, bc), triton.cdiv(A, br))](
+        km._swiglu_fwd_kernel[_grid(triton.cdiv(A, br), triton.cdiv(F, bc), what="swiglu")](
             h_A2F, A, F, act, hq, hs, ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"],
             SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return act, hq.view(q_dtype), hs.view(torch.float8_e8m0fnu)
@@ -147,7 +147,7 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
     act = torch.empty(A, F, dtype=out_dtype, device=dev)
     if A and F:
         br, bc, w = _tile("swiglu_bwd")
-        km._swiglu_bwd_kernel[(triton.cdiv(F, bc), triton.cdiv(A, br))](
+        km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br), triton.cdiv(F, bc), what="swiglu backward")](
             hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act, ELEM=elem,
             SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return dh, act
@@ -160,8 +160,14 @@ def _(hq, hs, dact_AF, out_dtype):
 
 
 def _check_rows(rows: Tensor, name: str, n: int) -> None:
+    """A 1-D int64 tensor of n row indices; off CUDA also each in [0, n) (on CUDA the check
+    would be a device-to-host sync: the callers pass permutations they built)."""
     if rows.dtype != torch.int64 or rows.dim() != 1 or rows.numel() != n:
         raise ValueError(f"{name} must be a 1-D int64 tensor of {n} rows, got {rows.dtype} {tuple(rows.shape)}")
+    if rows.device.type != "cuda" and n:
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"{name} holds rows {lo}..{hi}; valid: 0..{n - 1}")
 
 
 def _check_bf16(t: Tensor, name: str) -> None:
@@ -202,8 +208,12 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
         along D, bit-equal to :func:`~mxmoe.numerics.mx_tensor.quantize_mx`.
 
     Raises:
-        ValueError / TypeError: shapes, dtypes or a D that is not a multiple of 32.
+        ValueError / TypeError: shapes, dtypes or a D that is not a multiple of 32;
+            IndexError (off CUDA): inv outside [0, A). On CUDA inv is not checked (a host
+            sync): it must be a permutation of range(A).
     """
+    if y_sorted_AD.dim() != 2:
+        raise ValueError(f"y must be (A, D), got shape {tuple(y_sorted_AD.shape)}")
     A, D = y_sorted_AD.shape
     _check(y_sorted_AD, "y", D)
     _check_bf16(y_sorted_AD, "y")
@@ -219,10 +229,12 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
     if A and D:
         br, bc, w = _tile("combine")
         cfg = _launch_settings("rows")
-        km._combine_quantize_kernel[(triton.cdiv(D, bc), triton.cdiv(T, br))](
+        km._combine_quantize_kernel[_grid(triton.cdiv(T, br), triton.cdiv(D, bc), what="combine")](
             y_sorted_AD.contiguous(), inv_A.contiguous(), w_Tk.contiguous(), T, D, out, q, s, TOPK=k, ELEM=elem,
             MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc,
             num_warps=w)
+    elif T:  # k = 0 or D = 0: an empty sum
+        out.zero_()
     return out, q.view(q_dtype), s.view(torch.float8_e8m0fnu)
 
 
@@ -249,8 +261,16 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
         d_y_sorted (A, D) in dy's dtype, expert-sorted rows: row inv[t * k + j] is
         dy[t] * w[t, j] rounded to dy's dtype; d_w (T, k) float32: sum over D of
         dy[t] * y[t * k + j] (each product rounded to dy's dtype, float32 sum in column
-        blocks, rounded to dy's dtype), y the dequantized codes.
+        blocks, rounded to dy's dtype), y the dequantized codes. The float32 sum's order
+        differs from torch's: the two differ by up to D 2^-24 sum |terms| before the bf16
+        rounding (a bf16 ulp or less unless the sum cancels).
+
+    Raises:
+        ValueError / TypeError: shapes, dy or weights not bf16, codes not an FP8 dtype,
+            scales not float8_e8m0fnu; IndexError (off CUDA): inv outside [0, A).
     """
+    if dy_TD.dim() != 2:
+        raise ValueError(f"dy must be (T, D), got shape {tuple(dy_TD.shape)}")
     T, D = dy_TD.shape
     _check(dy_TD, "dy", D)
     _check_bf16(dy_TD, "dy")
@@ -264,6 +284,10 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
     if tuple(yq_AD.shape) != (A, D) or tuple(ys_AD.shape) != (A, D // BLOCK):
         raise ValueError(f"codes {tuple(yq_AD.shape)} / scales {tuple(ys_AD.shape)} do not match "
                          f"({A}, {D}) / ({A}, {D // BLOCK})")
+    if yq_AD.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or ys_AD.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2 (their dtype selects the element format) and "
+                        f"scales float8_e8m0fnu, as triton_combine_quantize returns them; got {yq_AD.dtype}, "
+                        f"{ys_AD.dtype}")
     elem = 0 if yq_AD.dtype == torch.float8_e4m3fn else 1
     dev = dy_TD.device
     dys = torch.empty(A, D, dtype=dy_TD.dtype, device=dev)
@@ -299,7 +323,7 @@ def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch
     out = torch.empty(T, D, dtype=out_dtype, device=x_AD.device)
     if A and D:
         br, bc, w = _tile("sum_rows")
-        km._sum_token_rows_kernel[(triton.cdiv(D, bc), triton.cdiv(T, br))](
+        km._sum_token_rows_kernel[_grid(triton.cdiv(T, br), triton.cdiv(D, bc), what="sum rows")](
             x_AD.contiguous(), rows_A.contiguous(), T, D, out, TOPK=k,
             SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out
@@ -307,4 +331,6 @@ def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch
 
 @triton_sum_token_rows.register_fake
 def _(x_AD, rows_A, k, out_dtype):
+    if k < 1:
+        raise ValueError(f"k = {k}: at least one row per token")
     return x_AD.new_empty(x_AD.shape[0] // k, x_AD.shape[1], dtype=out_dtype)

@@ -158,6 +158,20 @@ def _launch_settings(kind: str) -> dict:
     return {**common, "hw_round": TUNING["hw_round"], "soft_casts": False, **TUNING[kind]}
 
 
+CUDA_GRID_YZ_MAX = 65535  # programs along grid axes 1 and 2 (axis 0: 2^31 - 1)
+
+
+def _grid(*dims: int, what: str) -> tuple[int, ...]:
+    """A launch grid, checked: CUDA caps axes 1 and 2 at 65535 programs and answers a
+    larger launch with "invalid argument" (the interpreter has no cap). Raises ValueError
+    naming the kernel and the count instead."""
+    for axis, n in enumerate(dims[1:], 1):
+        if n > CUDA_GRID_YZ_MAX:
+            raise ValueError(f"{what}: {n} programs along grid axis {axis}, over CUDA's limit of "
+                             f"{CUDA_GRID_YZ_MAX}; split the input into smaller calls")
+    return dims
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -498,7 +512,8 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         x, src = x.index_select(0, src.to(torch.int64)), None
     if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
         cfg, block_g, block_c = _grouped_tok_settings()
-        tk._mx_grouped_tok_dq_kernel[(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g))](
+        tk._mx_grouped_tok_dq_kernel[_grid(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g),
+                                            what="grouped token quantizer (tokens)")](
             x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, dq, Tp,
             ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], E_POW2=e_pow2,
             BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
@@ -506,7 +521,8 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
     if not write_q:
         return out
     if t8_codes:  # codes, with or without the gather
-        tk._mx_grouped_col_t8_kernel[(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t))](
+        tk._mx_grouped_col_t8_kernel[_grid(triton.cdiv(C, t8["block_c"]), triton.cdiv(Tp, block_t),
+                                            what="grouped column quantizer (tokens)")](
             x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
             src if src is not None else dummy,
             ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=t8["hw_round"], SOFT_CASTS=t8["soft_casts"],
@@ -517,7 +533,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         return out
     cfg = _launch_settings("grouped")
     block_c = cfg["block_c"]
-    tk._mx_grouped_col_kernel[(triton.cdiv(C, block_c), Tp // BLOCK)](
+    tk._mx_grouped_col_kernel[_grid(triton.cdiv(C, block_c), Tp // BLOCK, what="grouped column quantizer (tokens)")](
         x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp, _ceil_to(C, 128),
         ELEM=elem, MODE=mode_code, BLOCKED=blocked, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
         PACK_T=cfg["pack_t"], E_POW2=e_pow2, BLOCK_C=block_c, num_warps=cfg["num_warps"],
@@ -696,7 +712,8 @@ def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fm
     nca, ncb = triton.cdiv(CA, block_c), triton.cdiv(CB, block_c)
     if nca + ncb == 0:
         return da, db, padded_offsets
-    tk._mx_grouped_tok_dq_pair_kernel[(nca + ncb, triton.cdiv(Tp // BLOCK, block_g))](
+    tk._mx_grouped_tok_dq_pair_kernel[_grid(nca + ncb, triton.cdiv(Tp // BLOCK, block_g),
+                                             what="grouped token quantizer pair (tokens)")](
         a, a.stride(0), a.stride(1), CA, da, nca, b, b.stride(0), b.stride(1), CB, db,
         T, offsets, block_starts, E, Tp,
         ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],

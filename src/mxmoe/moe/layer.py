@@ -191,16 +191,17 @@ class _CombineFP8(torch.autograd.Function):
     Forward (the composed path's arithmetic): y_AD = rows of y_sorted back in (token,
     choice) order; y_TD[t] = sum_j w[t, j] * y_AD[t * k + j] in y's dtype. The backward
     needs y_AD only for the gradient of the combine weights (the router's gradient through
-    them); it reads y_AD quantized to MXFP8 along D (E4M3 + E8M0, the recipe's scale rule)
-    instead of a bf16 copy: D + D / 32 bytes per row against 2 D.
+    them); it reads y_AD quantized to MXFP8 along D (the recipe's FP8 element format and
+    scale rule, E8M0 scales) instead of a bf16 copy: D + D / 32 bytes per row against 2 D.
 
     Where :func:`_combine_triton` holds (bf16 y on the Triton backend, the fused MoE
     layer on CUDA) each direction is one kernel (:mod:`mxmoe.kernels.moe`): forward
     gathers, weights, sums and quantizes in one read of y; backward writes d(y) in sorted
     order and d(w) in one read of dy and the codes. Bit for bit the torch path, except
     the float32 sums: over k in choice order (torch on CUDA sums k > 2 terms in another
-    order) and, for d(w), over D in column blocks; both are then rounded to bf16, so
-    results differ from the torch path by at most about one bf16 ulp, in rare elements.
+    order) and, for d(w), over D in column blocks; both are then rounded to bf16. The
+    results differ from the torch path by one bf16 ulp in rare elements, more only where
+    a sum cancels (bound: n 2^-24 sum |terms| for n terms, before the rounding).
     """
 
     @staticmethod
@@ -211,7 +212,10 @@ class _CombineFP8(torch.autograd.Function):
             from ..kernels.moe import triton_combine_quantize
 
             A = order_A.numel()
-            inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
+            if order_A.device.type != "cuda" and A and not bool((torch.bincount(order_A, minlength=A) == 1).all()):
+                raise ValueError("order_A must be a permutation of range(A)")  # on CUDA: a host sync, not checked
+            # zeros, not empty: a broken order on CUDA then reads row 0, never outside y
+            inv_A = torch.zeros_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
             w_Tk = weights_Tk.to(y_sorted_AD.dtype)
             y_TD, q, s = triton_combine_quantize(y_sorted_AD, inv_A, w_Tk, recipe.fmt, recipe.scale_mode)
             ctx.save_for_backward(q, s, inv_A, w_Tk)
@@ -269,7 +273,14 @@ def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, f
 
     Returns:
         (T, D) in y's dtype. Deterministic: a permutation, then a fixed-order sum over k.
+
+    Raises:
+        TypeError: order_A not int64. ValueError: with an MXFP8 recipe on the fused
+            kernels' path off CUDA, order_A not a permutation (on CUDA unchecked: a host
+            sync; the layer passes an argsort).
     """
+    if order_A.dtype != torch.int64:
+        raise TypeError(f"order_A must be int64 (a permutation of range(A)), got {order_A.dtype}")
     if fp8_recipe is not None:
         return _combine_fp8_eager(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
     return _combine(y_sorted_AD, order_A, weights_Tk)[2]
