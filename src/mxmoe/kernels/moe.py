@@ -63,7 +63,7 @@ def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode
     if A and D:
         br, bc, w = _tile("gather")
         cfg = _launch_settings("rows")
-        km._gather_fake_quant_rows_kernel[_grid(triton.cdiv(A, br), triton.cdiv(D, bc), what="gather")](
+        km._gather_fake_quant_rows_kernel[_grid(triton.cdiv(A, br) * triton.cdiv(D, bc), what="gather")](
             x_TD, x_TD.stride(0), src_A.contiguous(), A, D, out, ELEM=elem, MODE=mode_code,
             HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out
@@ -121,7 +121,7 @@ def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.
     if A and F:
         br, bc, w = _tile("swiglu")
         cfg = _launch_settings("rows")
-        km._swiglu_fwd_kernel[_grid(triton.cdiv(A, br), triton.cdiv(F, bc), what="swiglu")](
+        km._swiglu_fwd_kernel[_grid(triton.cdiv(A, br) * triton.cdiv(F, bc), what="swiglu")](
             h_A2F, A, F, act, hq, hs, ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"],
             SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return act, hq.view(q_dtype), hs.view(torch.float8_e8m0fnu)
@@ -147,7 +147,7 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
     act = torch.empty(A, F, dtype=out_dtype, device=dev)
     if A and F:
         br, bc, w = _tile("swiglu_bwd")
-        km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br), triton.cdiv(F, bc), what="swiglu backward")](
+        km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br) * triton.cdiv(F, bc), what="swiglu backward")](
             hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act, ELEM=elem,
             SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return dh, act
@@ -229,7 +229,7 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
     if A and D:
         br, bc, w = _tile("combine")
         cfg = _launch_settings("rows")
-        km._combine_quantize_kernel[_grid(triton.cdiv(T, br), triton.cdiv(D, bc), what="combine")](
+        km._combine_quantize_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="combine")](
             y_sorted_AD.contiguous(), inv_A.contiguous(), w_Tk.contiguous(), T, D, out, q, s, TOPK=k, ELEM=elem,
             MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc,
             num_warps=w)
@@ -323,7 +323,7 @@ def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch
     out = torch.empty(T, D, dtype=out_dtype, device=x_AD.device)
     if A and D:
         br, bc, w = _tile("sum_rows")
-        km._sum_token_rows_kernel[_grid(triton.cdiv(T, br), triton.cdiv(D, bc), what="sum rows")](
+        km._sum_token_rows_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="sum rows")](
             x_AD.contiguous(), rows_A.contiguous(), T, D, out, TOPK=k,
             SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out

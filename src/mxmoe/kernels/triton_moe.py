@@ -30,6 +30,17 @@ from .triton_quantize import (_abs_bits, _decode_blocks, _dequantized, _from_flo
 
 
 @triton.jit
+def _tile_of(pid, n_cols, BLOCK_C: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` of a one-axis grid of n_row_tiles x
+    n_col_tiles programs, column tiles fastest (consecutive programs read neighbouring
+    columns of the same rows). One axis: CUDA allows 2^31 - 1 programs there, 65535 on
+    the others."""
+    n_cb = tl.cdiv(n_cols, BLOCK_C)
+    rb = pid // n_cb
+    return rb, pid - rb * n_cb
+
+
+@triton.jit
 def _row_blocks_qdq(x, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """x (BLOCK_R, BLOCK_C) float32, blocks of 32 along C -> (codes uint8, scale bytes
@@ -45,8 +56,9 @@ def _gather_fake_quant_rows_kernel(
     ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows on grid axis 0 (2^31 - 1 programs)
-    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (cb * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     row_ok = rows < A
     src = tl.load(src_ptr + rows, mask=row_ok, other=0)
     mask = row_ok[:, None] & (cols < D)[None, :]
@@ -69,8 +81,9 @@ def _swiglu_fwd_kernel(
     ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows on grid axis 0
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rb, cb = _tile_of(tl.program_id(0), F, BLOCK_C)
+    rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < A)[:, None] & (cols < F)[None, :]
     g_off = rows[:, None] * (2 * F) + cols[None, :]
     g = _to_float32(tl.load(h_ptr + g_off, mask=mask, other=0.0), SOFT_CASTS)
@@ -79,7 +92,7 @@ def _swiglu_fwd_kernel(
     uq, us, _ = _row_blocks_qdq(u, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
     tl.store(hq_ptr + g_off, gq, mask=mask)
     tl.store(hq_ptr + g_off + F, uq, mask=mask)
-    scols = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    scols = cb * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     s_mask = (rows < A)[:, None] & (scols < F // 32)[None, :]
     s_off = rows[:, None] * (2 * F // 32) + scols[None, :]
     tl.store(hs_ptr + s_off, gs, mask=s_mask)
@@ -96,11 +109,12 @@ def _swiglu_bwd_kernel(
     dh_ptr, act_ptr,  # outputs: d(gate) | d(up) (A, 2F); recomputed act (A, F)
     ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # rows on grid axis 0
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rb, cb = _tile_of(tl.program_id(0), F, BLOCK_C)
+    rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < A)[:, None] & (cols < F)[None, :]
     g_off = rows[:, None] * (2 * F) + cols[None, :]
-    scols = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    scols = cb * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     s_mask = (rows < A)[:, None] & (scols < F // 32)[None, :]
     s_off = rows[:, None] * (2 * F // 32) + scols[None, :]
     g = _decode_blocks(tl.load(hq_ptr + g_off, mask=mask, other=0), tl.load(hs_ptr + s_off, mask=s_mask, other=127),
@@ -127,11 +141,12 @@ def _combine_quantize_kernel(
     TOPK: tl.constexpr, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
     SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    tok = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # tokens on grid axis 0 (2^31 - 1)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
+    tok = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     tok_ok = tok < T
     mask = tok_ok[:, None] & (cols < D)[None, :]
-    scols = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    scols = cb * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     s_mask = tok_ok[:, None] & (scols < D // 32)[None, :]
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
@@ -187,8 +202,9 @@ def _sum_token_rows_kernel(
     out_ptr,  # (T, D): sum over j of float32(x[rows[t * k + j]]), j = 0..k-1 in order, rounded once
     TOPK: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    tok = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # tokens on grid axis 0 (2^31 - 1)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
+    tok = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     tok_ok = tok < T
     mask = tok_ok[:, None] & (cols < D)[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
