@@ -134,6 +134,10 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time the kernels at the tiles of TILES first")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("combine.py times CUDA kernels and needs a GPU; on the CPU the same checks run in "
+              "tests/test_moe_experts.py (Triton interpreter)")
+        return 2
     import triton
 
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
