@@ -473,6 +473,28 @@ def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
     assert kq._grid(2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX, what="test") == (2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX)
 
 
+def test_every_multi_axis_launch_is_checked_against_cuda_grid_limits():
+    """The kind of the fault above, over all our kernels: a grid literal in
+    src/mxmoe/kernels may have one axis only; any grid with more goes through
+    ``kernels.quantize._grid`` (a clear error past 65535 programs on axes 1-2)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import mxmoe.kernels as kernels_pkg
+
+    bad = []
+    for path in sorted(Path(kernels_pkg.__file__).parent.glob("*.py")):
+        src = path.read_text()
+        for m in re.finditer(r"\bgrid = \(", src):
+            bad.append(f"{path.name}: grid = ( at offset {m.start()}")
+        for m in re.finditer(r"\w+\[(\(.*?\))\]\(", src, flags=re.S):
+            grid = ast.parse(m.group(1), mode="eval").body
+            if not isinstance(grid, ast.Tuple) or len(grid.elts) != 1:
+                bad.append(f"{path.name}: {m.group(0)[:80]!r}")
+    assert not bad, bad
+
+
 def test_float32_activations_take_the_composed_path():
     """The fused op is bf16-only (float32 would be rounded to bf16 before its MXFP8
     rounding): a fused layer given float32 activations runs the composed path, bit for bit,

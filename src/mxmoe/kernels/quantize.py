@@ -251,7 +251,8 @@ def launch_tile(
         extra = ({"STAGED": cfg["staged"], "FMAX": cfg.get("fmax", True), "PREFETCH": cfg.get("prefetch", 0),
                   **_register_cap(cfg)} if use_t8 else {})
         block_r, block_c = cfg["tile"]
-        grid = (triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B)
+        grid = _grid(triton.cdiv(C, block_c), triton.cdiv(Rp, block_r), B,
+                     what="row + column quantizer (rows, matrices)")
         kernel[grid](
             x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C, q_row, s_row, q_col, s_col, Rp, Cp, R128, C128,
             ELEM=elem, MODE=mode_code, ROWWISE=rowwise, BLOCKED=blocked, HW_ROUND=cfg["hw_round"],
@@ -260,7 +261,7 @@ def launch_tile(
     elif B and R and C:
         cfg = _launch_settings("colwise" if colwise else "rowwise")
         block_r, block_c = cfg["tile"]
-        grid = (triton.cdiv(Cp, block_c), triton.cdiv(Rp, block_r), B)
+        grid = _grid(triton.cdiv(Cp, block_c), triton.cdiv(Rp, block_r), B, what="tile quantizer (rows, matrices)")
         tk._mx_tile_kernel[grid](
             x3, x3.stride(0), x3.stride(1), x3.stride(2), R, C,
             q_row, s_row, dq_row, q_col, s_col, dq_col, Rp, Cp, R128, C128,
@@ -585,7 +586,7 @@ def _dequantize_launch(q: Tensor, scale: Tensor, out_dtype: torch.dtype, transpo
     if rows and K:
         cfg = _launch_settings("dequant_t" if transposed else "dequant")
         block_r, block_c = cfg["tile"]
-        grid = (triton.cdiv(K, block_c), triton.cdiv(rows, block_r))
+        grid = _grid(triton.cdiv(K, block_c), triton.cdiv(rows, block_r), what="dequantizer (rows)")
         tk._mx_dequant_kernel[grid](q2, s2, out, rows, K, ELEM=elem, SOFT_CASTS=cfg["soft_casts"],
                                     BLOCK_R=block_r, BLOCK_C=block_c, TRANS_OUT=transposed,
                                     num_warps=cfg["num_warps"])

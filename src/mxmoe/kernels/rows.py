@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .quantize import _grid
+
 BLOCK_R, BLOCK_C = 32, 256
 
 
@@ -44,7 +46,7 @@ def zero_rows_past_end_(out_TC: Tensor, offsets_E: Tensor) -> Tensor:
 def _zero_rows_past_end_op(out_TC: Tensor, offsets_E: Tensor) -> None:
     T, C = out_TC.shape
     if T and C:
-        grid = (triton.cdiv(C, BLOCK_C), triton.cdiv(T, BLOCK_R))
+        grid = _grid(triton.cdiv(C, BLOCK_C), triton.cdiv(T, BLOCK_R), what="zero rows past the end (rows)")
         _zero_rows_from_kernel[grid](out_TC, offsets_E.contiguous(), offsets_E.numel(), T, C,
                                      BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
 
@@ -97,8 +99,8 @@ def _zero_empty_groups_op(out_ENK: Tensor, offsets_E: Tensor) -> None:
     E = out_ENK.shape[0]
     MN = out_ENK[0].numel() if E else 0
     if E and MN:
-        _zero_empty_groups_kernel[(E, triton.cdiv(MN, CHUNK))](out_ENK, offsets_E.contiguous(), MN,
-                                                               CHUNK=CHUNK, BLOCK=4096, num_warps=8)
+        grid = _grid(E, triton.cdiv(MN, CHUNK), what="zero empty groups")
+        _zero_empty_groups_kernel[grid](out_ENK, offsets_E.contiguous(), MN, CHUNK=CHUNK, BLOCK=4096, num_warps=8)
 
 
 @_zero_empty_groups_op.register_fake
