@@ -473,6 +473,29 @@ def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
     assert kq._grid(2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX, what="test") == (2 ** 31 - 1, kq.CUDA_GRID_YZ_MAX)
 
 
+def test_gather_and_swiglu_kernels_refuse_what_they_cannot_read():
+    """The older fused kernels' host checks, as the combine's: gather rows outside x (off
+    CUDA), an odd [gate | up] width, codes / scales of the wrong dtype or shape."""
+    from mxmoe.kernels import moe as km
+
+    x = torch.ones(4, 32, device=DEV).bfloat16()
+    if DEV.type != "cuda":
+        for bad in ([0, 4], [0, -3]):
+            with pytest.raises(IndexError, match="0..3"):
+                km.triton_gather_fake_quantize_rows(x, torch.tensor(bad), "e4m3", "rceil", torch.bfloat16)
+    got = km.triton_gather_fake_quantize_rows(x, torch.tensor([3, 0], dtype=torch.int32, device=DEV), "e4m3",
+                                              "rceil", torch.bfloat16)
+    assert torch.equal(got.float().cpu(), torch.ones(2, 32))  # int32 rows work
+    with pytest.raises(ValueError, match="even width"):
+        km.triton_swiglu_quantize(torch.ones(4, 65, device=DEV).bfloat16(), "e4m3", "rceil", torch.bfloat16)
+    _, hq, hs = km.triton_swiglu_quantize(torch.ones(4, 64, device=DEV).bfloat16(), "e4m3", "rceil", torch.bfloat16)
+    da = torch.ones(4, 32, device=DEV).bfloat16()
+    with pytest.raises(TypeError, match="float8"):
+        km.triton_swiglu_backward(hq.view(torch.uint8), hs, da, torch.bfloat16)
+    with pytest.raises(ValueError, match="do not match"):
+        km.triton_swiglu_backward(hq[:2], hs[:2], da, torch.bfloat16)
+
+
 def test_every_multi_axis_launch_is_checked_against_cuda_grid_limits():
     """The kind of the fault above, over all our kernels: a grid literal in
     src/mxmoe/kernels may have one axis only; any grid with more goes through

@@ -53,8 +53,16 @@ def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode
                                      out_dtype: torch.dtype) -> Tensor:
     """out[a] = dequantize(quantize(x[src[a]], blocks along D)): the token permute fused
     with the forward GEMM operand's MXFP8 rounding. x (T, D) float32/bf16 with unit column
-    stride; src (A,) int64 in [0, T). Returns (A, D) ``out_dtype``."""
+    stride; src (A,) integer rows in [0, T) (checked off CUDA: IndexError; on CUDA a check
+    would be a host sync). Returns (A, D) ``out_dtype``."""
     _check(x_TD, "x", x_TD.shape[1])
+    if src_A.dtype.is_floating_point or src_A.dim() != 1:
+        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
+    if src_A.device.type != "cuda" and src_A.numel():
+        lo, hi = int(src_A.min()), int(src_A.max())
+        if lo < 0 or hi >= x_TD.shape[0]:
+            raise IndexError(f"src holds rows {lo}..{hi}; x has {x_TD.shape[0]} rows (valid: 0..{x_TD.shape[0] - 1})")
+    src_A = src_A.to(torch.int64)  # 64-bit row offsets in the kernel
     elem, _, mode_code = _codes(fmt, mode)
     A, D = src_A.numel(), x_TD.shape[1]
     if x_TD.stride(1) != 1:
@@ -111,6 +119,8 @@ def triton_swiglu_quantize(h_A2F: Tensor, fmt: str, mode: str, act_dtype: torch.
     (A, 2F / 32), blocks along F within gate and within up."""
     A, F2 = h_A2F.shape
     F = F2 // 2
+    if F2 % 2:
+        raise ValueError(f"h must be [gate | up] of even width 2F, got width {F2}")
     _check(h_A2F, "h", F)
     elem, q_dtype, mode_code = _codes(fmt, mode)
     h_A2F = h_A2F.contiguous()
@@ -141,6 +151,12 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
     ``out_dtype``, from the saved codes/scales of h and d(act) (A, F)."""
     A, F = dact_AF.shape
     _check(dact_AF, "d(act)", F)
+    if hq.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or hs.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2 (their dtype selects the element format) and "
+                        f"scales float8_e8m0fnu, as triton_swiglu_quantize returns them; got {hq.dtype}, {hs.dtype}")
+    if tuple(hq.shape) != (A, 2 * F) or tuple(hs.shape) != (A, 2 * F // BLOCK):
+        raise ValueError(f"codes {tuple(hq.shape)} / scales {tuple(hs.shape)} do not match d(act) "
+                         f"{tuple(dact_AF.shape)}: expected ({A}, {2 * F}) / ({A}, {2 * F // BLOCK})")
     elem = 0 if hq.dtype == torch.float8_e4m3fn else 1
     dev = dact_AF.device
     dh = torch.empty(A, 2 * F, dtype=out_dtype, device=dev)
