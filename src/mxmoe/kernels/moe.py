@@ -48,6 +48,17 @@ def _check(t: Tensor, name: str, width: int) -> None:
         raise ValueError(f"{name}'s blocked width is {width}, not a multiple of {BLOCK}")
 
 
+def _check_src(src_A: Tensor, T: int) -> None:
+    """src: 1-D integer rows of a (T, ...) tensor; off CUDA each in [0, T) (IndexError), on
+    CUDA unchecked (a host sync; the fused expert op checks its routing on the CPU)."""
+    if src_A.dtype.is_floating_point or src_A.dim() != 1:
+        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
+    if src_A.device.type != "cuda" and src_A.numel():
+        lo, hi = int(src_A.min()), int(src_A.max())
+        if lo < 0 or hi >= T:
+            raise IndexError(f"src holds rows {lo}..{hi}; x has {T} rows (valid: 0..{T - 1})")
+
+
 @torch.library.custom_op("mxmoe::gather_fake_quantize_rows", mutates_args=())
 def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode: str,
                                      out_dtype: torch.dtype) -> Tensor:
@@ -56,12 +67,7 @@ def triton_gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, fmt: str, mode
     stride; src (A,) integer rows in [0, T) (checked off CUDA: IndexError; on CUDA a check
     would be a host sync). Returns (A, D) ``out_dtype``."""
     _check(x_TD, "x", x_TD.shape[1])
-    if src_A.dtype.is_floating_point or src_A.dim() != 1:
-        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
-    if src_A.device.type != "cuda" and src_A.numel():
-        lo, hi = int(src_A.min()), int(src_A.max())
-        if lo < 0 or hi >= x_TD.shape[0]:
-            raise IndexError(f"src holds rows {lo}..{hi}; x has {x_TD.shape[0]} rows (valid: 0..{x_TD.shape[0] - 1})")
+    _check_src(src_A, x_TD.shape[0])
     src_A = src_A.to(torch.int64)  # 64-bit row offsets in the kernel
     elem, _, mode_code = _codes(fmt, mode)
     A, D = src_A.numel(), x_TD.shape[1]
@@ -92,12 +98,7 @@ def triton_quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tenso
     src_A: (A,) integer rows of x, each in [0, T). On CUDA this is not checked (the check
     would be a device-to-host sync; the fused expert op checks its routing on the CPU
     before any kernel runs); elsewhere (the interpreter) it raises IndexError."""
-    if src_A.dtype.is_floating_point or src_A.dim() != 1:
-        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
-    if src_A.device.type != "cuda" and src_A.numel():
-        lo, hi = int(src_A.min()), int(src_A.max())
-        if lo < 0 or hi >= x_TD.shape[0]:
-            raise IndexError(f"src holds rows {lo}..{hi}; x has {x_TD.shape[0]} rows (valid: 0..{x_TD.shape[0] - 1})")
+    _check_src(src_A, x_TD.shape[0])
     out = _grouped_launch(x_TD, offsets_E, fmt, mode, True, None, False, src=src_A.contiguous())
     return out["q"], out["s"], out["padded_offsets"]
 
