@@ -48,15 +48,29 @@ def _check(t: Tensor, name: str, width: int) -> None:
         raise ValueError(f"{name}'s blocked width is {width}, not a multiple of {BLOCK}")
 
 
-def _check_src(src_A: Tensor, T: int) -> None:
+def _check_src(src_A: Tensor, T: int, name: str = "src", of: str = "x") -> None:
     """src: 1-D integer rows of a (T, ...) tensor; off CUDA each in [0, T) (IndexError), on
     CUDA unchecked (a host sync; the fused expert op checks its routing on the CPU)."""
     if src_A.dtype.is_floating_point or src_A.dim() != 1:
-        raise TypeError(f"src must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
+        raise TypeError(f"{name} must be a 1-D integer tensor, got {src_A.dtype} {tuple(src_A.shape)}")
     if src_A.device.type != "cuda" and src_A.numel():
         lo, hi = int(src_A.min()), int(src_A.max())
         if lo < 0 or hi >= T:
-            raise IndexError(f"src holds rows {lo}..{hi}; x has {T} rows (valid: 0..{T - 1})")
+            raise IndexError(f"{name} holds rows {lo}..{hi}; {of} has {T} rows (valid: 0..{T - 1})")
+
+
+def _saved_codes_elem(q: Tensor, s: Tensor, shape: tuple[int, int], producer: str) -> int:
+    """Codes (R, C) and E8M0 scales (R, C / 32) saved by ``producer``, checked against the
+    expected (R, C): returns the element format code (0 E4M3, 1 E5M2) their dtype selects.
+    Raises TypeError (dtypes) or ValueError (shapes)."""
+    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or s.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2 (their dtype selects the element format) and "
+                        f"scales float8_e8m0fnu, as {producer} returns them; got {q.dtype}, {s.dtype}")
+    R, C = shape
+    if tuple(q.shape) != (R, C) or tuple(s.shape) != (R, C // BLOCK):
+        raise ValueError(f"codes {tuple(q.shape)} / scales {tuple(s.shape)} do not match the other inputs: "
+                         f"expected ({R}, {C}) / ({R}, {C // BLOCK})")
+    return 0 if q.dtype == torch.float8_e4m3fn else 1
 
 
 @torch.library.custom_op("mxmoe::gather_fake_quantize_rows", mutates_args=())
@@ -152,13 +166,7 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
     ``out_dtype``, from the saved codes/scales of h and d(act) (A, F)."""
     A, F = dact_AF.shape
     _check(dact_AF, "d(act)", F)
-    if hq.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or hs.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2 (their dtype selects the element format) and "
-                        f"scales float8_e8m0fnu, as triton_swiglu_quantize returns them; got {hq.dtype}, {hs.dtype}")
-    if tuple(hq.shape) != (A, 2 * F) or tuple(hs.shape) != (A, 2 * F // BLOCK):
-        raise ValueError(f"codes {tuple(hq.shape)} / scales {tuple(hs.shape)} do not match d(act) "
-                         f"{tuple(dact_AF.shape)}: expected ({A}, {2 * F}) / ({A}, {2 * F // BLOCK})")
-    elem = 0 if hq.dtype == torch.float8_e4m3fn else 1
+    elem = _saved_codes_elem(hq, hs, (A, 2 * F), "triton_swiglu_quantize")
     dev = dact_AF.device
     dh = torch.empty(A, 2 * F, dtype=out_dtype, device=dev)
     act = torch.empty(A, F, dtype=out_dtype, device=dev)
@@ -181,10 +189,7 @@ def _check_rows(rows: Tensor, name: str, n: int) -> None:
     would be a device-to-host sync: the callers pass permutations they built)."""
     if rows.dtype != torch.int64 or rows.dim() != 1 or rows.numel() != n:
         raise ValueError(f"{name} must be a 1-D int64 tensor of {n} rows, got {rows.dtype} {tuple(rows.shape)}")
-    if rows.device.type != "cuda" and n:
-        lo, hi = int(rows.min()), int(rows.max())
-        if lo < 0 or hi >= n:
-            raise IndexError(f"{name} holds rows {lo}..{hi}; valid: 0..{n - 1}")
+    _check_src(rows, n, name, of="the indexed tensor")
 
 
 def _check_bf16(t: Tensor, name: str) -> None:
@@ -298,14 +303,7 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
     _check_rows(inv_A, "inv", A)
     if w_Tk.dtype != dy_TD.dtype:
         raise TypeError(f"weights are {w_Tk.dtype}, dy is {dy_TD.dtype}: pass the weights in dy's dtype")
-    if tuple(yq_AD.shape) != (A, D) or tuple(ys_AD.shape) != (A, D // BLOCK):
-        raise ValueError(f"codes {tuple(yq_AD.shape)} / scales {tuple(ys_AD.shape)} do not match "
-                         f"({A}, {D}) / ({A}, {D // BLOCK})")
-    if yq_AD.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or ys_AD.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2 (their dtype selects the element format) and "
-                        f"scales float8_e8m0fnu, as triton_combine_quantize returns them; got {yq_AD.dtype}, "
-                        f"{ys_AD.dtype}")
-    elem = 0 if yq_AD.dtype == torch.float8_e4m3fn else 1
+    elem = _saved_codes_elem(yq_AD, ys_AD, (A, D), "triton_combine_quantize")
     dev = dy_TD.device
     dys = torch.empty(A, D, dtype=dy_TD.dtype, device=dev)
     dw = torch.empty(T, k, dtype=torch.float32, device=dev)
