@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantize import bench  # noqa: E402 - CUDA-graph replay timing, shared with the other benchmarks
 
 from mxmoe.kernels import moe as km  # noqa: E402
+from mxmoe.moe.layer import inverse_permutation  # noqa: E402 - what _CombineFP8 runs
 from mxmoe.numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx  # noqa: E402
 
 SHAPES = [(32768, 4096, 2), (16384, 2048, 8), (16384, 7168, 4)]  # (T, D, k) of moe_layer.py's shapes
@@ -67,10 +68,6 @@ def torch_combine_bwd(dy, w_Tk, q, s, order):
 def torch_sum_rows(x, rows, k):
     T, D = x.shape[0] // k, x.shape[1]
     return x.index_select(0, rows).view(T, k, D).float().sum(dim=1).to(torch.bfloat16)
-
-
-def inverse(order):
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def same(a, b):
@@ -108,7 +105,7 @@ def large_batch_check(dev) -> dict:
     order = torch.randperm(A, device=dev, generator=g)
     w = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1)
     ref = torch_combine_fwd(y, order, w)
-    got = km.triton_combine_quantize(y, inverse(order), w.bfloat16(), "e4m3", "rceil")
+    got = km.triton_combine_quantize(y, inverse_permutation(order), w.bfloat16(), "e4m3", "rceil")
     y_AD = torch.zeros_like(y).index_copy(0, order, y).float().view(T, k, D)
     rows_k = torch.argsort(order // k, stable=True)
     rs = torch_sum_rows(y, rows_k, k)
@@ -160,7 +157,7 @@ def main() -> int:
         order = torch.argsort(experts, stable=True)
         w = torch.softmax(torch.randn(T, k, device=dev, generator=g), -1)
         dy = torch.randn(T, D, device=dev, generator=g).bfloat16()
-        inv = inverse(order)
+        inv = inverse_permutation(order)
         w_b = w.bfloat16()
         # correctness first: the fused kernels against the torch path (bits; d_w to float32 rounding)
         ref = torch_combine_fwd(y, order, w)
@@ -208,7 +205,7 @@ def main() -> int:
         t = {
             "combine fwd, torch path": bench(lambda: torch_combine_fwd(y, order, w)),
             "combine fwd, fused (+ inverse)": bench(lambda: km.triton_combine_quantize(
-                y, inverse(order), w.bfloat16(), "e4m3", "rceil")),
+                y, inverse_permutation(order), w.bfloat16(), "e4m3", "rceil")),
             "combine bwd, torch path": bench(lambda: torch_combine_bwd(dy, w_b, ref[1], ref[2], order)),
             "combine bwd, fused": bench(fused["combine_bwd"][0]),
             "dx un-permute, torch path": bench(lambda: torch_sum_rows(y, rows_k, k)),

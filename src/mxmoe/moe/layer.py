@@ -185,6 +185,13 @@ def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[
     return y_AD, w_Tk, (y_AD.view(T, k, D) * w_Tk.unsqueeze(-1)).sum(dim=1)
 
 
+def inverse_permutation(order_A: Tensor) -> Tensor:
+    """(A,) int64 inv with inv[order[i]] = i: for the combine, the sorted row of each
+    assignment t * k + j. Zero-filled first, not empty: if order is not a permutation (not
+    checked on CUDA: a host sync) the missing entries read row 0, never outside y."""
+    return torch.zeros_like(order_A).scatter_(0, order_A, torch.arange(order_A.numel(), device=order_A.device))
+
+
 class _CombineFP8(torch.autograd.Function):
     """The weighted combine with the per-choice outputs kept for backward as MXFP8.
 
@@ -214,8 +221,7 @@ class _CombineFP8(torch.autograd.Function):
             A = order_A.numel()
             if order_A.device.type != "cuda" and A and not bool((torch.bincount(order_A, minlength=A) == 1).all()):
                 raise ValueError("order_A must be a permutation of range(A)")  # on CUDA: a host sync, not checked
-            # zeros, not empty: a broken order on CUDA then reads row 0, never outside y
-            inv_A = torch.zeros_like(order_A).scatter_(0, order_A, torch.arange(A, device=order_A.device))
+            inv_A = inverse_permutation(order_A)
             w_Tk = weights_Tk.to(y_sorted_AD.dtype)
             y_TD, q, s = triton_combine_quantize(y_sorted_AD, inv_A, w_Tk, recipe.fmt, recipe.scale_mode)
             ctx.save_for_backward(q, s, inv_A, w_Tk)
