@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One H200 session (issue 4, 2026-12-01): which operand layouts make the BF16 grouped GEMM
 # of design (a) fastest, and the grouped GEMM benchmark against torchao.
+# part "wq": benchmarks/grouped_gemm_wq.py (design (c), the weight quantized inside the GEMM);
 # part "layouts": benchmarks/gemm_layouts.py and the CUDA tests of the kernels changed since
 # the last GPU run; part "bench": grouped_gemm.py (torchao from PYTHONPATH if importable).
-# Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_layouts.sh layouts|bench
+# Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_layouts.sh layouts|wq|bench
 set -u
 PART=${1:-layouts}
 OUT_DEFAULT=/tmp/h200_layouts LOG_NAME=$PART.log
@@ -13,7 +14,9 @@ if [ "$PART" = layouts ]; then
   run 200 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts.py tests/test_kernels_quantize.py \
       -k "grid or launch or gather or swiglu or combine or grouped or rows"
   run 150 python3 benchmarks/check_kernels_cuda.py
+elif [ "$PART" = wq ]; then
+  run 330 python3 benchmarks/grouped_gemm_wq.py --out "$OUT/grouped_gemm_wq.json"
 else
   run 300 python3 benchmarks/grouped_gemm.py --out "$OUT/grouped_gemm.json"
 fi
-grep -E "^===|FAIL|summary|x bf16|now|passed|failed|exact|x torchao|variant" "$LOG" | grep -v "^  ok" | cut -c1-200 | tail -90
+grep -E "^===|FAIL|summary|x bf16|now|passed|failed|exact|x torchao|variant|sweep|\\(c\\)|\\(a\\)|bf16 |settings|Error" "$LOG" | grep -v "^  ok" | cut -c1-200 | tail -90

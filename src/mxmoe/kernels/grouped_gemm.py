@@ -318,6 +318,82 @@ def triton_mx_grouped_mm_tn(
     return out
 
 
+# ---- design (c): the weight quantized inside the GEMM ---------------------------------------
+
+# Launch settings of the design (c) kernel (benchmarks/grouped_gemm_wq.py sweeps them).
+WQ_TUNING = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def triton_grouped_mm_wq(a: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
+                         dgrad: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                         config: GemmConfig | None = None) -> Tensor:
+    """Forward or dgrad grouped GEMM with the raw weight quantized inside the GEMM (design (c)).
+
+    The activation operand comes already quantized and dequantized (a quantize pass); each
+    weight tile is read in its own dtype, quantized to MX along the GEMM's contraction and
+    dequantized in registers, bit for bit the values :func:`mxmoe.ops.quantize.fake_quantize`
+    writes, so the result agrees with design (a) (the same operands through
+    ``torch._grouped_mm``) to float32 accumulation order. No pass over the weight.
+
+    Args:
+        a: (T, C) bfloat16, the dequantized MX values of x (forward, C = K, blocks along K)
+            or of dy (dgrad, C = N, blocks along N), rows sorted by expert.
+        w: (E, N, K) bfloat16 or float32 raw expert weights (any strides).
+        offsets: (E,) int32 cumulative row ends, non-decreasing, on a's device.
+        fmt, mode: the MX element format ('e4m3' or 'e5m2') and scale rule ('floor' or
+            'rceil') of the weight's quantization.
+        dgrad: False: out = a w[e]^T (T, N), w blocked along K; True: out = a w[e] (T, K),
+            w blocked along N.
+        out_dtype: torch.bfloat16 (default) or torch.float32.
+        config: launch settings (default ``WQ_TUNING``; block_k a multiple of 32).
+
+    Returns:
+        (T, N) forward or (T, K) dgrad in ``out_dtype``; rows at and past offsets[-1] are zeros.
+
+    Raises:
+        TypeError: a not bfloat16, w not bfloat16/float32, wrong out_dtype.
+        ValueError: shapes disagree, devices differ, CPU tensors outside the interpreter,
+            an unknown format or scale rule.
+    """
+    from .quantize import _codes
+
+    _check_out_dtype(out_dtype)
+    _check_device(a, w)
+    if a.dtype != torch.bfloat16:
+        raise TypeError(f"a has dtype {a.dtype}; design (c) takes the bfloat16 dequantized activation")
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"w has dtype {w.dtype}; expected torch.bfloat16 or torch.float32")
+    if a.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"expected a (T, C) and w (E, N, K), got {tuple(a.shape)} and {tuple(w.shape)}")
+    E, N, K = w.shape
+    Kc, N_out = (N, K) if dgrad else (K, N)
+    if a.shape[1] != Kc:
+        raise ValueError(f"a (T, {a.shape[1]}) does not match w {tuple(w.shape)}: the contraction is "
+                         f"{'N' if dgrad else 'K'} = {Kc}")
+    elem, _, mode_code = _codes(fmt, mode)
+    a = a.contiguous()
+    offs = _check_offsets(offsets, E, a.device)
+    T = a.shape[0]
+    out = torch.empty(T, N_out, dtype=out_dtype, device=a.device)
+    if T == 0 or N_out == 0:
+        return out
+    if E == 0 or Kc == 0:
+        return out.zero_()
+    interp = interpreting()
+    cfg = config or (INTERPRETER_CONFIG if interp else WQ_TUNING)
+    s_e, s_n, s_k = w.stride()
+    stride_wn, stride_wk = (s_k, s_n) if dgrad else (s_n, s_k)  # output index, contraction index
+    max_tiles = (T // cfg.block_m + E + 1) * triton.cdiv(N_out, cfg.block_n)
+    tg._mx_grouped_gemm_wq_kernel[(max_tiles,)](
+        a, w, out, offs, T, N_out, Kc, E, s_e, stride_wn, stride_wk, cfg.group_m,
+        G_POW2=triton.next_power_of_2(E + 1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ELEM=elem, MODE=mode_code, HW_ROUND=0 if interp else 1, SOFT_CASTS=interp,
+        DOT_DTYPE=tl.float32 if interp else tl.bfloat16, EVEN_K=Kc % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=1 if interp else cfg.num_stages,
+    )
+    return out
+
+
 # ---- custom ops (default launch settings) ---------------------------------------------------
 
 @torch.library.custom_op("mxmoe::mx_grouped_mm_nt", mutates_args=())

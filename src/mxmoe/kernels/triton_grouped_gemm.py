@@ -55,7 +55,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_quantize import _from_float32
+from .triton_quantize import (_abs_bits, _col_block_scales, _dequantized, _from_float32, _quantize_values,
+                              _to_float32)
 
 BLOCK = 32  # the MX block size
 # Decoding of E4M3 codes (constexpr DEQUANT): all exact, they differ in instruction mix.
@@ -161,6 +162,34 @@ def _swizzle(local, n_rows, n_cols, group_m):
     return first + in_band % band, in_band // band
 
 
+@triton.jit
+def _row_groups(offs_ptr, T, E, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row groups of a grouped GEMM over tokens, from the (E,) cumulative ends: groups
+    0..E-1 are the experts (rows clamped to T), group E the rows [offsets[-1], T) (written as
+    zeros, never read), groups beyond are empty. Returns (g, starts, ends, row_tiles,
+    cum_rows (inclusive), total_rows): per-group vectors of length G_POW2 and the total."""
+    g = tl.arange(0, G_POW2)
+    is_expert = g < E
+    ends = tl.where(is_expert, tl.minimum(tl.load(offs_ptr + g, mask=is_expert, other=0), T), T)
+    has_prev = (g > 0) & (g <= E)
+    starts = tl.where(has_prev, tl.minimum(tl.load(offs_ptr + g - 1, mask=has_prev, other=0), T), 0)
+    starts = tl.where(g > E, T, starts)
+    sizes = tl.maximum(ends - starts, 0)
+    row_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    cum_rows = tl.cumsum(row_tiles, 0)
+    return g, starts, ends, row_tiles, cum_rows, tl.sum(row_tiles, 0)
+
+
+@triton.jit
+def _group_tile(tile, g, row_tiles, cum_rows, col_tiles, group_m):
+    """Tile id -> (group, row tile in the group, column tile): group by group, inside a
+    group bands of group_m row tiles (:func:`_swizzle`)."""
+    grp = tl.sum((cum_rows * col_tiles <= tile).to(tl.int32), 0)
+    local = tile - tl.sum(tl.where(g == grp, cum_rows - row_tiles, 0), 0) * col_tiles
+    row, col = _swizzle(local, tl.sum(tl.where(g == grp, row_tiles, 0), 0), col_tiles, group_m)
+    return grp, row, col
+
+
 @triton.jit(do_not_specialize=["group_m", "spread"])
 def _mx_grouped_gemm_nt_kernel(
     a_ptr, sa_ptr,  # A codes (T, Kc) uint8, scales (T, Kc / 32)
@@ -177,17 +206,7 @@ def _mx_grouped_gemm_nt_kernel(
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     col_tiles = tl.cdiv(N, BLOCK_N)
-    # groups 0..E-1: experts (rows clamped to T); group E: rows [offsets[-1], T); beyond: empty
-    g = tl.arange(0, G_POW2)
-    is_expert = g < E
-    ends = tl.where(is_expert, tl.minimum(tl.load(offs_ptr + g, mask=is_expert, other=0), T), T)
-    has_prev = (g > 0) & (g <= E)
-    starts = tl.where(has_prev, tl.minimum(tl.load(offs_ptr + g - 1, mask=has_prev, other=0), T), 0)
-    starts = tl.where(g > E, T, starts)
-    sizes = tl.maximum(ends - starts, 0)
-    row_tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    cum_rows = tl.cumsum(row_tiles, 0)  # inclusive
-    total_rows = tl.sum(row_tiles, 0)
+    g, starts, ends, row_tiles, cum_rows, total_rows = _row_groups(offs_ptr, T, E, G_POW2, BLOCK_M)
     k_tiles = tl.cdiv(Kc, BLOCK_K)
     scale_cols = Kc // 32
 
@@ -198,9 +217,7 @@ def _mx_grouped_gemm_nt_kernel(
             grp = tl.sum((cum_rows <= global_row).to(tl.int32), 0)
             row = global_row - tl.sum(tl.where(g == grp, cum_rows - row_tiles, 0), 0)
         else:  # group by group; inside a group bands of group_m row tiles
-            grp = tl.sum((cum_rows * col_tiles <= tile).to(tl.int32), 0)
-            local = tile - tl.sum(tl.where(g == grp, cum_rows - row_tiles, 0), 0) * col_tiles
-            row, col = _swizzle(local, tl.sum(tl.where(g == grp, row_tiles, 0), 0), col_tiles, group_m)
+            grp, row, col = _group_tile(tile, g, row_tiles, cum_rows, col_tiles, group_m)
         row_start = tl.sum(tl.where(g == grp, starts, 0), 0)
         row_end = tl.sum(tl.where(g == grp, ends, 0), 0)
         e = tl.minimum(grp, E - 1).to(tl.int64)
@@ -299,3 +316,72 @@ def _mx_grouped_gemm_tn_kernel(
         out = _from_float32(acc, out_ptr.dtype.element_ty, SOFT_CASTS)
         tl.store(out_ptr + (e.to(tl.int64) * M + rows64)[:, None] * N + cols64[None, :], out,
                  mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---- design (c): the weight quantized inside the GEMM's operand load ----------------------
+
+@triton.jit
+def _fake_quantize_k(w, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
+                     SOFT_CASTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A raw weight tile w (BLOCK_K, BLOCK_N) (bf16 or float32), quantized to MX along axis 0
+    (the contraction) in blocks of 32 and dequantized: float32 values, bit for bit the
+    values the row/column quantizers of :mod:`mxmoe.kernels.triton_quantize` write
+    (the same scale and rounding helpers)."""
+    x = _to_float32(w, SOFT_CASTS)
+    _, _, e_x, nf_x = _col_block_scales(_abs_bits(x), ELEM, MODE, BLOCK_K, 32, BLOCK_N)
+    r, _ = _quantize_values(x, e_x, nf_x, ELEM, HW_ROUND, False)
+    return _dequantized(r, e_x, nf_x)
+
+
+@triton.jit(do_not_specialize=["group_m"])
+def _mx_grouped_gemm_wq_kernel(
+    a_ptr,  # (T, Kc) bf16: the activation, already quantized along Kc and dequantized
+    w_ptr,  # raw weight, w[e, n, k] at w_ptr + e * stride_we + n * stride_wn + k * stride_wk
+    out_ptr,  # (T, N), rows past the last offset written as zeros
+    offs_ptr,  # (E,) int32 cumulative row ends
+    T, N, Kc, E, stride_we, stride_wn, stride_wk, group_m,
+    G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[t, n] = sum_k a[t, k] Q(w[e(t), n, :])[k]: each (BLOCK_K, BLOCK_N) weight tile is
+    read raw, quantized along k (blocks of 32 from k = 0) and dequantized in registers, then
+    fed to the dot. One program per output tile (the static bound of the nt kernel)."""
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    g, starts, ends, row_tiles, cum_rows, total_rows = _row_groups(offs_ptr, T, E, G_POW2, BLOCK_M)
+    if pid < total_rows * col_tiles:
+        grp, row, col = _group_tile(pid, g, row_tiles, cum_rows, col_tiles, group_m)
+        row_start = tl.sum(tl.where(g == grp, starts, 0), 0)
+        row_end = tl.sum(tl.where(g == grp, ends, 0), 0)
+        e = tl.minimum(grp, E - 1).to(tl.int64)
+        n_k = tl.where(grp < E, tl.cdiv(Kc, BLOCK_K), 0)  # the tail group reads nothing: zeros
+        rows = row_start + row * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        col_ok = cols < N
+        rows64 = rows.to(tl.int64)
+        cols64 = cols.to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows64[:, None] * Kc + ks[None, :]
+        w_ptrs = w_ptr + e * stride_we + cols64[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(0, n_k):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = kt * BLOCK_K + ks < Kc
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # rounded to bf16 as the quantize passes write it (exact but below 2^-126)
+            wq = _from_float32(_fake_quantize_k(w, ELEM, MODE, HW_ROUND, SOFT_CASTS, BLOCK_K, BLOCK_N),
+                               tl.bfloat16, SOFT_CASTS)
+            if DOT_DTYPE == tl.float32:  # the interpreter: float32 values of the same bf16 numbers
+                acc = tl.dot(_to_float32(a, SOFT_CASTS), _to_float32(wq, SOFT_CASTS), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, wq, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        out = _from_float32(acc, out_ptr.dtype.element_ty, SOFT_CASTS)
+        tl.store(out_ptr + rows64[:, None] * N + cols64[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
