@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session (issue 4, 2026-12-01): which operand layouts make the BF16 grouped GEMM
 # of design (a) fastest, and the grouped GEMM benchmark against torchao.
+# part "gluon": the same with design (d) only (the Gluon kernel);
 # part "wq": benchmarks/grouped_gemm_wq.py (design (c), the weight quantized inside the GEMM);
 # part "layouts": benchmarks/gemm_layouts.py and the CUDA tests of the kernels changed since
 # the last GPU run; part "bench": grouped_gemm.py (torchao from PYTHONPATH if importable).
-# Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_layouts.sh layouts|wq|bench
+# Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_layouts.sh layouts|wq|gluon|bench
 set -u
 PART=${1:-layouts}
 OUT_DEFAULT=/tmp/h200_layouts LOG_NAME=$PART.log
@@ -16,7 +17,9 @@ if [ "$PART" = layouts ]; then
   run 150 python3 benchmarks/check_kernels_cuda.py
 elif [ "$PART" = wq ]; then
   run 330 python3 benchmarks/grouped_gemm_wq.py --out "$OUT/grouped_gemm_wq.json"
+elif [ "$PART" = gluon ]; then
+  run 330 python3 benchmarks/grouped_gemm_wq.py --designs d --out "$OUT/grouped_gemm_gluon.json"
 else
   run 300 python3 benchmarks/grouped_gemm.py --out "$OUT/grouped_gemm.json"
 fi
-grep -E "^===|FAIL|summary|x bf16|now|passed|failed|exact|x torchao|variant|sweep|\\(c\\)|\\(a\\)|bf16 |settings|Error" "$LOG" | grep -v "^  ok" | cut -c1-200 | tail -90
+grep -E "^===|FAIL|summary|x bf16|now|passed|failed|exact|x torchao|variant|sweep|design|\\(d\\)|\\(c\\)|\\(a\\)|bf16 |settings|Error" "$LOG" | grep -v "^  ok" | cut -c1-200 | tail -90
