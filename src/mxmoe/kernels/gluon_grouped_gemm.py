@@ -61,7 +61,8 @@ if gluon is not None:
     @gluon.jit
     def _wq_fwd_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, K, col_tiles,
                        BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       ELEM: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
+                       ELEM: gl.constexpr, MODE: gl.constexpr, W_ASYNC: gl.constexpr, QUANT: gl.constexpr,
+                       num_warps: gl.constexpr):
         pid = gl.program_id(0)
         rt = pid // col_tiles
         ct = pid - rt * col_tiles
@@ -94,22 +95,40 @@ if gluon is not None:
                                                             instr_shape=[16, BLOCK_T, 16])
             acc = gl.zeros((BLOCK_W, BLOCK_T), dtype=gl.float32, layout=acc_l)
             n_k = gl.cdiv(K, BLOCK_K)
+            w_ok = wn3 < N
+            if W_ASYNC:  # raw weight tiles through a cp.async ring like the token tiles
+                wr_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [2, 1, 0])
+                wr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_W, NB, 32], wr_sl)
             for s in gl.static_range(STAGES - 2):
                 k_ok = gl.expand_dims(xk + s * BLOCK_K < K, 0) & (s < n_k)
                 async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptrs + s * BLOCK_K, mask=x_row_ok & k_ok)
+                if W_ASYNC:
+                    async_copy.async_copy_global_to_shared(wr_smem.index(s), w_ptr + w_rows + s * BLOCK_K + wk3,
+                                                           mask=w_ok & (wk3 + s * BLOCK_K < K) & (s < n_k))
                 async_copy.commit_group()
-            w_ok = (wn3 < N) & (wk3 < K)
-            w_next = gl.load(w_ptr + w_rows + wk3, mask=w_ok, other=0.0)
+            if not W_ASYNC:
+                w_next = gl.load(w_ptr + w_rows + wk3, mask=w_ok & (wk3 < K), other=0.0)
             for i in range(n_k):
-                w_cur = w_next
-                k_next = (i + 1) * BLOCK_K
-                w_next = gl.load(w_ptr + w_rows + k_next + wk3, mask=(wn3 < N) & (wk3 + k_next < K), other=0.0)
-                wq = _g_fake_quantize_rows(w_cur.to(gl.float32), ELEM, MODE).to(gl.bfloat16)
+                if W_ASYNC:
+                    async_copy.wait_group(STAGES - 3)  # tile i landed (this thread's copies)
+                    gl.thread_barrier()  # ... and every thread's
+                    w_cur = wr_smem.index(i % STAGES).load(w3)
+                else:
+                    w_cur = w_next
+                    k_next = (i + 1) * BLOCK_K
+                    w_next = gl.load(w_ptr + w_rows + k_next + wk3, mask=w_ok & (wk3 + k_next < K), other=0.0)
+                if QUANT:
+                    wq = _g_fake_quantize_rows(w_cur.to(gl.float32), ELEM, MODE).to(gl.bfloat16)
+                else:  # timing reference: the same kernel without the quantization
+                    wq = w_cur
                 w_smem.index(i % 2).store(gl.reshape(wq, [BLOCK_W, BLOCK_K]))
                 j = i + STAGES - 2  # the stage it refills was read by wgmma i - 2, finished
                 k_ok = gl.expand_dims(xk + j * BLOCK_K < K, 0) & (j < n_k)
                 async_copy.async_copy_global_to_shared(x_smem.index(j % STAGES), x_ptrs + j * BLOCK_K,
                                                        mask=x_row_ok & k_ok)
+                if W_ASYNC:
+                    async_copy.async_copy_global_to_shared(wr_smem.index(j % STAGES), w_ptr + w_rows + j * BLOCK_K + wk3,
+                                                           mask=w_ok & (wk3 + j * BLOCK_K < K) & (j < n_k))
                 async_copy.commit_group()
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()
@@ -149,7 +168,7 @@ def row_tile_table(offsets: Tensor, T: int, block_t: int) -> tuple[Tensor, Tenso
 
 def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                             block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 4,
-                            num_warps: int = 8) -> Tensor:
+                            num_warps: int = 8, w_async: bool = True, quantize: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (d) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw, contiguous; offsets (E,) int32 cumulative ends.
     Rows at and past offsets[-1] are zeros. CUDA (sm90) only.
@@ -179,5 +198,5 @@ def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str 
     col_tiles = triton.cdiv(N, block_w)
     _wq_fwd_kernel[(te.numel() * col_tiles,)](
         xq, w, out, te, r0, r1, N, K, col_tiles, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k,
-        STAGES=stages, ELEM=elem, MODE=mode_code, num_warps=num_warps)
+        STAGES=stages, ELEM=elem, MODE=mode_code, W_ASYNC=w_async, QUANT=quantize, num_warps=num_warps)
     return zero_rows_past_end(out, offsets)
