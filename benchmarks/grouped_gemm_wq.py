@@ -1,22 +1,27 @@
-"""Design (c) of the MXFP8 grouped GEMM: the weight quantized inside the GEMM's operand load.
+"""Designs (c) and (d) of the MXFP8 grouped GEMM: the weight quantized inside the GEMM.
 
 Design (a) (benchmarks/grouped_gemm.py) pays a memory-bound pass over the bf16 weight in
 every forward and dgrad call; at E = 64 that pass costs 179-904 us, more than the 15%
-budget of the 0.85x target. Design (c) (``mxmoe.kernels.grouped_gemm.triton_grouped_mm_wq``)
-reads the raw bf16 weight tile by tile in a Triton grouped GEMM, quantizes and dequantizes
-it in registers (the quantizers' own scale and rounding helpers), and feeds it to the
-tensor core: no pass over the weight, at the price of CUDA-core work inside the GEMM.
+budget of the 0.85x target. Both designs here read the raw bf16 weight tile by tile inside
+the GEMM and quantize and dequantize it in registers with the quantizers' own scale and
+rounding helpers: no pass over the weight, at the price of CUDA-core work in the GEMM.
 The activation (x, or dy for the dgrad) still takes its quantize pass.
 
-For each shape of issue 4, in one process, forward and dgrad:
-  bf16          torch._grouped_mm on bf16 operands (the baseline)
-  (a) per call  mx_grouped_mm's steps: the activation pass, the weight pass, torch._grouped_mm
-  (c)           the activation pass + the design (c) kernel (fastest swept launch setting)
-  (c) kernel    the design (c) kernel alone
-and a check that (c) agrees with (a) (the same dequantized operands; only the float32
-accumulation order differs): max |c - a| / max |a| over the output, bf16 outputs.
+- (c) ``mxmoe.kernels.grouped_gemm.triton_grouped_mm_wq``: a Triton grouped GEMM, forward
+  and dgrad (tl.dot; Triton schedules the quantization and the MMA).
+- (d) ``benchmarks/gluon_wq.py``: a Gluon wgmma kernel, forward only, explicitly
+  pipelined so that the quantization of step i + 1 runs while the tensor core works on
+  step i; also timed without the quantization (the same kernel's GEMM alone).
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/grouped_gemm_wq.py [--out wq.json] [--budget 240]
+For each shape of issue 4, in one process:
+  bf16          torch._grouped_mm on bf16 operands (the baseline)
+  (a)           the activation pass, the weight pass, torch._grouped_mm (per call)
+  (c), (d)      the activation pass + the kernel (fastest swept launch setting)
+  ...: kernel   the kernel alone
+and a check against (a) (the same dequantized operands; only the float32 accumulation
+order may differ): max |design - a| / max |a| over the output, bf16 outputs.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/grouped_gemm_wq.py [--designs c,d] [--out wq.json]
 
 Timing: CUDA-graph replay (benchmarks/quantize.py ``bench``). The commit is read from the
 environment variable COMMIT. Needs a CUDA GPU (exits with status 2 without one).
@@ -59,7 +64,7 @@ def main() -> int:
     import triton
     from quantize import bench
 
-    from mxmoe.kernels.gluon_grouped_gemm import gluon_grouped_mm_wq_fwd
+    from gluon_wq import gluon_grouped_mm_wq_fwd
     from mxmoe.kernels.grouped_gemm import WQ_TUNING, GemmConfig, triton_grouped_mm_wq
     from mxmoe.ops.gemm import grouped_mm_nn, grouped_mm_nt
     from mxmoe.ops.quantize import fake_quantize

@@ -278,3 +278,72 @@ def test_validation_errors(monkeypatch):
     if DEV == "cpu":
         with pytest.raises(ValueError, match="CUDA"):
             f(xq, xs, wq, ws, offs)
+
+
+# ---- design (c): the raw weight quantized inside the GEMM (triton_grouped_mm_wq) ----------
+
+def _dequant_ref(x: torch.Tensor, dim: int, fmt: str, mode: str) -> torch.Tensor:
+    """float64 dequantized MX values of x along dim (the reference quantizer)."""
+    out = quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, backend="reference").dequantize(torch.float32).double()
+    assert out.shape == x.shape
+    return out
+
+
+@pytest.mark.parametrize("sizes,extra,K,N", NT_CASES)
+@pytest.mark.parametrize("dgrad", [False, True])
+@pytest.mark.parametrize("fmt,mode,w_dtype", [("e4m3", "rceil", torch.float32), ("e5m2", "floor", torch.bfloat16)])
+def test_wq_design_c_matches_float64(sizes, extra, K, N, dgrad, fmt, mode, w_dtype):
+    """Forward (a (T, K) by Q_K(w)^T) and dgrad (a (T, N) by Q_N(w)) with the weight read raw:
+    within float32 accumulation of the exact product of the reference-quantized operands;
+    rows past the end are never read (NaN there) and come out as zeros."""
+    E, T = len(sizes), sum(sizes)
+    w = data((E, N, K), seed=31).to(w_dtype)
+    C = N if dgrad else K
+    a = _dequant_ref(data((T + extra, C), seed=32), 1, fmt, mode).to(torch.bfloat16)
+    a[T:] = float("nan")
+    wq = _dequant_ref(w.float(), 1 if dgrad else 2, fmt, mode)  # (E, N, K), blocks along the contraction
+    b = wq.transpose(1, 2) if dgrad else wq  # (E, out, contraction)
+    exact, S = rowwise_reference(a[:T].double(), b, sizes)
+    exact = torch.cat([exact, torch.zeros(extra, exact.shape[1], dtype=torch.float64)])
+    S = torch.cat([S, torch.zeros(extra, S.shape[1], dtype=torch.float64)])
+    out = gg.triton_grouped_mm_wq(a.to(DEV), w.to(DEV), offsets_of(sizes).to(DEV), fmt=fmt, mode=mode, dgrad=dgrad,
+                                  out_dtype=torch.float32)
+    assert out.shape == (T + extra, K if dgrad else N)
+    assert_within(out, exact, S, C, torch.float32)
+    assert (out[T:] == 0).all()
+
+
+def test_wq_design_c_strided_weight_and_small_tiles():
+    """A transposed weight view gives the same bits as its contiguous copy; smaller tiles
+    (several row and column tiles per expert) stay within the float64 bound (their float32
+    sums may group differently, so their bits may differ)."""
+    sizes, K, N = [20, 0, 37], 96, 40
+    w = data((3, K, N), seed=33).transpose(1, 2)  # (E, N, K), not contiguous
+    a = _dequant_ref(data((57, K), seed=34), 1, "e4m3", "rceil").to(torch.bfloat16)
+    offs = offsets_of(sizes).to(DEV)
+    ref = gg.triton_grouped_mm_wq(a.to(DEV), w.contiguous().to(DEV), offs, out_dtype=torch.float32)
+    assert torch.equal(gg.triton_grouped_mm_wq(a.to(DEV), w.to(DEV), offs, out_dtype=torch.float32), ref)
+    small = gg.GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    out = gg.triton_grouped_mm_wq(a.to(DEV), w.to(DEV), offs, out_dtype=torch.float32, config=small)
+    exact, S = rowwise_reference(a.double(), _dequant_ref(w.float(), 2, "e4m3", "rceil"), sizes)
+    assert_within(out, exact, S, K, torch.float32)
+
+
+def test_wq_design_c_refusals():
+    a = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 16, 64)
+    offs = offsets_of([4, 4])
+    f = gg.triton_grouped_mm_wq
+    with pytest.raises(TypeError, match="bfloat16 dequantized"):
+        f(a.float(), w, offs)
+    with pytest.raises(TypeError, match="w has dtype"):
+        f(a, w.to(torch.int32), offs)
+    with pytest.raises(TypeError, match="out_dtype"):
+        f(a, w, offs, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="contraction is N = 16"):
+        f(a, w, offs, dgrad=True)
+    with pytest.raises(ValueError, match="offsets"):
+        f(a, w, offsets_of([8]))
+    with pytest.raises(ValueError, match="e2m1|FP8|format"):
+        f(a, w, offs, fmt="e2m1")
+    assert f(a[:0], w, offs).shape == (0, 16)

@@ -19,8 +19,11 @@ Main loop, step i (explicitly software pipelined, one partition of 8 warps):
 3. wgmma (async) of the weight tile by the token tile, at most one in flight: the
    quantization of step i+1 runs while the tensor core works on step i.
 
-Triton 3.6's Gluon dialect (triton.experimental.gluon); untested on anything but an H200.
-Not used by the library's ops: benchmarks/grouped_gemm_wq.py measures it against design (a).
+Triton 3.6's Gluon dialect (triton.experimental.gluon); run only on the H200 (no CPU
+interpreter for Gluon's wgmma), where benchmarks/grouped_gemm_wq.py checks its output
+bit-equal to design (a) at every shape it times. A measurement prototype, kept here rather
+than in the library: it covers the forward only, and it is slower than design (a)
+(benchmarks/NOTES.md, session 11).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import triton
 from torch import Tensor
 
-from . import triton_quantize as tq
+from mxmoe.kernels import triton_quantize as tq
 
 try:  # Gluon (Triton >= 3.5); the module imports without it, the kernel then is None
     from triton.experimental import gluon
@@ -176,8 +179,8 @@ def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str 
     Raises:
         RuntimeError: no Gluon in this Triton. ValueError/TypeError: as the checks say.
     """
-    from .quantize import _codes
-    from ..ops.gemm import zero_rows_past_end
+    from mxmoe.kernels.quantize import _codes
+    from mxmoe.ops.gemm import zero_rows_past_end
 
     if _wq_fwd_kernel is None:
         raise RuntimeError(f"design (d) needs Triton's Gluon dialect (Triton >= 3.5), found {triton.__version__}")
