@@ -342,6 +342,19 @@ def test_sum_token_rows_triton_equals_reference(k, dtype, out_dtype):
         assert _close_sums(want, got, x.float().index_select(0, rows).view(T, k, D).abs().sum(1), k)
 
 
+@pytest.mark.parametrize("recipe", ["reference", "triton"])
+def test_sum_token_rows_refuses_k_below_one_on_both_paths(recipe):
+    """k = 0 (or rows not k per token) is a ValueError on the reference path too, as on the
+    Triton path (it was a ZeroDivisionError there)."""
+    rec = REF if recipe == "reference" else TRI
+    x = torch.ones(6, 64, dtype=torch.bfloat16, device=DEV if recipe == "triton" else "cpu")
+    rows = torch.arange(6, device=x.device)
+    for k, rows_k in ((0, rows), (4, rows)):
+        with pytest.raises(ValueError, match="rows per token"):
+            me.sum_token_rows(x, rows_k, k, torch.float32, rec)
+    assert me.sum_token_rows(x, rows, 3, torch.float32, rec).shape == (2, 64)
+
+
 def test_fused_combine_sums_in_choice_order():
     """The float32 sum over k runs in choice order j = 0..k-1, as documented: terms
     [2^24, 1, -2^24] give 0 in that order (2^24 + 1 rounds to 2^24) and 1 reversed; the

@@ -121,7 +121,13 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
 def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype, recipe: Recipe) -> Tensor:
     """(T, D) ``out_dtype``: out[t] = sum over j = 0..k-1 of x[rows[t * k + j]] in float32,
     in that order, rounded once (the un-permute of dx; a gather: deterministic). One
-    Triton kernel on the Triton path, index_select + float32 sum otherwise."""
+    Triton kernel on the Triton path, index_select + float32 sum otherwise.
+
+    Raises:
+        ValueError: k < 1 or the rows are not k per token (both paths alike).
+    """
+    if k < 1 or x_AD.shape[0] % k:
+        raise ValueError(f"{x_AD.shape[0]} rows are not k = {k} rows per token (k >= 1)")
     if _triton(recipe, x_AD.device, x_AD.dtype):
         from ..kernels.moe import triton_sum_token_rows
 
