@@ -547,6 +547,9 @@ def test_float32_activations_take_the_composed_path():
         y.pow(2).sum().backward()
         res.append((y, xx.grad, m.experts.w13.grad, m.experts.w2.grad, m.router.weight.grad))
     assert all(torch.equal(a, b) for a, b in zip(*res))
+    assert m1.fused and m1.last_ran_fused is False and m2.last_ran_fused is False  # built for it, did not run it
+    m1(x.bfloat16())
+    assert m1.last_ran_fused is True
     src, offs = routing(30, 2)
     with pytest.raises(ValueError, match="bfloat16"):
         me.mx_moe_experts(x, src, offs, m1.experts.w13, m1.experts.w2, REF)

@@ -212,6 +212,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.experts.w2 = nn.Parameter(w2.detach()[lo:hi].clone())
         self.comm_stats = comm_stats
         self.last_tokens_per_expert: Tensor | None = None
+        self.last_ran_fused: bool | None = None  # whether the last forward ran the fused op (runs_fused)
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -263,7 +264,7 @@ class ExpertParallelMoELayer(nn.Module):
         offsets_L = torch.cumsum(recv_counts_PL.sum(dim=0), 0).to(device=device, dtype=torch.int32)
         # 3. local experts, rows in (local expert, global token) order (the same rows in the
         # same order as the single-process layer's experts see)
-        fused = runs_fused(self.fused, self.recipe, x_RD)
+        fused = self.last_ran_fused = runs_fused(self.fused, self.recipe, x_RD)
         if fused:
             y_local_RD = mx_moe_experts(x_RD, perm_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe)
         else:

@@ -380,7 +380,10 @@ class MoELayer(nn.Module):
         ValueError: ``mx_dispatch`` with a recipe that does not quantize.
 
     Forward: ``x`` (..., D) in the activation dtype -> (y (..., D), :class:`MoEAux`).
-    After each forward, ``last_tokens_per_expert`` holds the (E,) token counts. (A CUDA graph
+    ``fused`` is what the layer was built for; ``last_ran_fused`` says whether the last
+    forward ran the fused op (a float32 or float16 input runs the composed path: see
+    :func:`runs_fused`). After each forward, ``last_tokens_per_expert`` holds the (E,) token
+    counts. (A CUDA graph
     replay of a captured forward rewrites the tensor assigned at capture, not the
     attribute: after any later eager forward, such as an evaluation, the attribute no longer
     follows the replays; read the counts from the model output instead.)
@@ -400,6 +403,7 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(n_experts, d_model, d_expert, n_layers)
         self.shared = SwiGLU(d_model, shared_expert_hidden, n_layers) if shared_expert_hidden > 0 else None
         self.last_tokens_per_expert: Tensor | None = None
+        self.last_ran_fused: bool | None = None  # whether the last forward ran the fused op (runs_fused)
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
         """x (..., D) float32/bfloat16 -> (y of x's shape and dtype, :class:`MoEAux`): route,
@@ -416,7 +420,7 @@ class MoELayer(nn.Module):
         counts_E = tokens_per_expert(experts_A, self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_in_TD = mx_round_rows(x_TD, self.recipe) if self.mx_dispatch else x_TD
-        fused = runs_fused(self.fused, self.recipe, x_TD)
+        fused = self.last_ran_fused = runs_fused(self.fused, self.recipe, x_TD)
         if fused:
             # the gather happens inside the op, fused with quantization
             y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
