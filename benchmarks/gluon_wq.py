@@ -65,7 +65,7 @@ if gluon is not None:
     def _wq_fwd_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, K, col_tiles,
                        BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        ELEM: gl.constexpr, MODE: gl.constexpr, W_ASYNC: gl.constexpr, QUANT: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       MMA: gl.constexpr, num_warps: gl.constexpr):
         pid = gl.program_id(0)
         rt = pid // col_tiles
         ct = pid - rt * col_tiles
@@ -136,9 +136,10 @@ if gluon is not None:
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()
                 fence_async_shared()
-                acc = warpgroup_mma(w_smem.index(i % 2), x_smem.index(i % STAGES).permute((1, 0)), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if MMA:  # MMA=False: timing reference, everything but the tensor-core work
+                    acc = warpgroup_mma(w_smem.index(i % 2), x_smem.index(i % STAGES).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             # out[t, n] for t in [row0, row1), n in [n0, N): n fastest in memory
             ol: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
@@ -171,10 +172,11 @@ def row_tile_table(offsets: Tensor, T: int, block_t: int) -> tuple[Tensor, Tenso
 
 def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                             block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 4,
-                            num_warps: int = 8, w_async: bool = True, quantize: bool = True) -> Tensor:
+                            num_warps: int = 8, w_async: bool = True, quantize: bool = True, mma: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (d) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw, contiguous; offsets (E,) int32 cumulative ends.
-    Rows at and past offsets[-1] are zeros. CUDA (sm90) only.
+    Rows at and past offsets[-1] are zeros. CUDA (sm90) only. ``quantize=False`` (the raw
+    weight) and ``mma=False`` (no tensor-core work: zeros) are timing references, not results.
 
     Raises:
         RuntimeError: no Gluon in this Triton. ValueError/TypeError: as the checks say.
@@ -201,5 +203,6 @@ def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str 
     col_tiles = triton.cdiv(N, block_w)
     _wq_fwd_kernel[(te.numel() * col_tiles,)](
         xq, w, out, te, r0, r1, N, K, col_tiles, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k,
-        STAGES=stages, ELEM=elem, MODE=mode_code, W_ASYNC=w_async, QUANT=quantize, num_warps=num_warps)
+        STAGES=stages, ELEM=elem, MODE=mode_code, W_ASYNC=w_async, QUANT=quantize, MMA=mma,
+        num_warps=num_warps)
     return zero_rows_past_end(out, offsets)

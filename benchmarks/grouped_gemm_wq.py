@@ -41,9 +41,10 @@ import torch
 
 from grouped_gemm import SHAPES, SKEWED, group_sizes
 
-D_SWEEP = [  # design (d): (block_w, block_t, block_k, stages, num_warps, w_async); each also without
-    # the quantization (quantize=False: the same kernel's GEMM alone, a timing reference)
-    (128, 256, 64, 4, 8, True), (128, 256, 64, 3, 8, True), (128, 256, 64, 3, 8, False), (128, 128, 64, 4, 8, True),
+D_SWEEP = [  # design (d): (block_w, block_t, block_k, stages, num_warps, w_async); each also without the
+    # quantization (quantize=False: the kernel's GEMM alone) and without the MMA (mma=False: its
+    # quantization and data movement alone), timing references
+    (128, 256, 64, 3, 8, False), (128, 256, 64, 4, 8, True),
 ]
 SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
     (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
@@ -103,8 +104,9 @@ def main() -> int:
     if "d" in designs:
         ref = grouped_mm_nt(xq, fq(w, 2), offs)
         res = []
-        for (bw, bt, bk, st, nw, wa), qz in [(c, q) for c in D_SWEEP for q in (True, False)]:
-            kw = dict(block_w=bw, block_t=bt, block_k=bk, stages=st, num_warps=nw, w_async=wa, quantize=qz)
+        for (bw, bt, bk, st, nw, wa), (qz, mm) in [(c, v) for c in D_SWEEP for v in ((1, 1), (0, 1), (1, 0))]:
+            kw = dict(block_w=bw, block_t=bt, block_k=bk, stages=st, num_warps=nw, w_async=bool(wa), quantize=bool(qz),
+                      mma=bool(mm))
             try:
                 fn = (lambda kw=kw: gluon_grouped_mm_wq_fwd(xq, w, offs, fmt=fmt, mode=mode, **kw))
                 out = fn()
@@ -115,7 +117,7 @@ def main() -> int:
                 print(f"  sweep (d) {kw}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             print(f"  sweep (d) fwd {kw}: {us:8.1f} us, max |d - a| / max |a| {diff:.2e}", flush=True)
-            if qz and diff < 1e-2:
+            if qz and mm and diff < 1e-2:
                 res.append((us, kw))
         res.sort(key=lambda r: r[0])
         d_cfg = res[0][1] if res else None
