@@ -226,17 +226,21 @@ def test_nan_scale_and_nan_code_propagate():
     assert torch.isfinite(out[~nan_rows]).all()
 
 
+def on_dev(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(DEV) for t in ts)
+
+
 def test_empty_inputs():
-    wq, ws = quant(data((3, 8, 32), seed=13))
-    xq, xs = quant(data((0, 32), seed=14))
-    offs = torch.zeros(3, dtype=torch.int32)
+    wq, ws = on_dev(*quant(data((3, 8, 32), seed=13)))
+    xq, xs = on_dev(*quant(data((0, 32), seed=14)))
+    offs = torch.zeros(3, dtype=torch.int32, device=DEV)
     assert gg.triton_mx_grouped_mm_nt(xq, xs, wq, ws, offs).shape == (0, 8)  # T = 0
-    xq, xs = quant(data((5, 32), seed=15))
+    xq, xs = on_dev(*quant(data((5, 32), seed=15)))
     out = gg.triton_mx_grouped_mm_nt(xq, xs, wq, ws, offs)  # every expert empty: all rows past the end
     assert out.shape == (5, 8) and (out == 0).all()
-    aq, as_ = quant(data((8, 64), seed=16))
-    bq, bs = quant(data((4, 64), seed=17))
-    dw = gg.triton_mx_grouped_mm_tn(aq, as_, bq, bs, torch.zeros(3, dtype=torch.int32))
+    aq, as_ = on_dev(*quant(data((8, 64), seed=16)))
+    bq, bs = on_dev(*quant(data((4, 64), seed=17)))
+    dw = gg.triton_mx_grouped_mm_tn(aq, as_, bq, bs, torch.zeros(3, dtype=torch.int32, device=DEV))
     assert dw.shape == (3, 8, 4) and (dw == 0).all()
 
 
@@ -244,17 +248,18 @@ def test_custom_ops_match_functions():
     sizes, N, K = [5, 11], 16, 32
     xq, xs = quant(data((16, K), seed=18))
     wq, ws = quant(data((2, N, K), seed=19))
-    args = (xq, xs, wq, ws, offsets_of(sizes))
+    args = on_dev(xq, xs, wq, ws, offsets_of(sizes))
     assert torch.equal(torch.ops.mxmoe.mx_grouped_mm_nt(*args), gg.triton_mx_grouped_mm_nt(*args))
     assert torch.equal(torch.ops.mxmoe.mx_grouped_mm_nn(*args), gg.triton_mx_grouped_mm_nn(*args))
-    targs = (*quant(data((N, 64), seed=20)), *quant(data((K, 64), seed=21)), torch.tensor([32, 64], dtype=torch.int32))
+    targs = on_dev(*quant(data((N, 64), seed=20)), *quant(data((K, 64), seed=21)),
+                   torch.tensor([32, 64], dtype=torch.int32))
     assert torch.equal(torch.ops.mxmoe.mx_grouped_mm_tn(*targs), gg.triton_mx_grouped_mm_tn(*targs))
 
 
 def test_validation_errors(monkeypatch):
-    xq, xs = quant(data((8, 64), seed=22))
-    wq, ws = quant(data((2, 16, 64), seed=23))
-    offs = offsets_of([4, 4])
+    xq, xs = on_dev(*quant(data((8, 64), seed=22)))
+    wq, ws = on_dev(*quant(data((2, 16, 64), seed=23)))
+    offs = offsets_of([4, 4]).to(DEV)
     f = gg.triton_mx_grouped_mm_nt
     with pytest.raises(TypeError, match="dtype"):
         f(xq.float(), xs, wq, ws, offs)
@@ -330,9 +335,9 @@ def test_wq_design_c_strided_weight_and_small_tiles():
 
 
 def test_wq_design_c_refusals():
-    a = torch.zeros(8, 64, dtype=torch.bfloat16)
-    w = torch.zeros(2, 16, 64)
-    offs = offsets_of([4, 4])
+    a = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(2, 16, 64, device=DEV)
+    offs = offsets_of([4, 4]).to(DEV)
     f = gg.triton_grouped_mm_wq
     with pytest.raises(TypeError, match="bfloat16 dequantized"):
         f(a.float(), w, offs)
