@@ -190,6 +190,20 @@ def _group_tile(tile, g, row_tiles, cum_rows, col_tiles, group_m):
     return grp, row, col
 
 
+@triton.jit
+def _tile_rows_cols(grp, row, col, g, starts, ends, E, k_tiles, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output tile (group, row tile, column tile) -> (expert as int64, K steps (0 for the
+    tail group, which reads nothing and writes zeros), rows and columns as int64, their
+    in-bounds masks: rows inside the group, columns below N)."""
+    row_start = tl.sum(tl.where(g == grp, starts, 0), 0)
+    row_end = tl.sum(tl.where(g == grp, ends, 0), 0)
+    e = tl.minimum(grp, E - 1).to(tl.int64)
+    n_k = tl.where(grp < E, k_tiles, 0)
+    rows = row_start + row * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, n_k, rows.to(tl.int64), cols.to(tl.int64), rows < row_end, cols < N
+
+
 @triton.jit(do_not_specialize=["group_m", "spread"])
 def _mx_grouped_gemm_nt_kernel(
     a_ptr, sa_ptr,  # A codes (T, Kc) uint8, scales (T, Kc / 32)
@@ -218,17 +232,8 @@ def _mx_grouped_gemm_nt_kernel(
             row = global_row - tl.sum(tl.where(g == grp, cum_rows - row_tiles, 0), 0)
         else:  # group by group; inside a group bands of group_m row tiles
             grp, row, col = _group_tile(tile, g, row_tiles, cum_rows, col_tiles, group_m)
-        row_start = tl.sum(tl.where(g == grp, starts, 0), 0)
-        row_end = tl.sum(tl.where(g == grp, ends, 0), 0)
-        e = tl.minimum(grp, E - 1).to(tl.int64)
-        n_k = tl.where(grp < E, k_tiles, 0)  # the tail group reads nothing: zeros
-
-        rows = row_start + row * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < row_end
-        col_ok = cols < N
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
+        e, n_k, rows64, cols64, row_ok, col_ok = _tile_rows_cols(grp, row, col, g, starts, ends, E, k_tiles, N,
+                                                                 BLOCK_M, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         if SCALE_GATHER:  # one scale byte per element, (BLOCK, BLOCK_K)
             ss = ks // 32
@@ -352,16 +357,8 @@ def _mx_grouped_gemm_wq_kernel(
     g, starts, ends, row_tiles, cum_rows, total_rows = _row_groups(offs_ptr, T, E, G_POW2, BLOCK_M)
     if pid < total_rows * col_tiles:
         grp, row, col = _group_tile(pid, g, row_tiles, cum_rows, col_tiles, group_m)
-        row_start = tl.sum(tl.where(g == grp, starts, 0), 0)
-        row_end = tl.sum(tl.where(g == grp, ends, 0), 0)
-        e = tl.minimum(grp, E - 1).to(tl.int64)
-        n_k = tl.where(grp < E, tl.cdiv(Kc, BLOCK_K), 0)  # the tail group reads nothing: zeros
-        rows = row_start + row * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < row_end
-        col_ok = cols < N
-        rows64 = rows.to(tl.int64)
-        cols64 = cols.to(tl.int64)
+        e, n_k, rows64, cols64, row_ok, col_ok = _tile_rows_cols(grp, row, col, g, starts, ends, E,
+                                                                 tl.cdiv(Kc, BLOCK_K), N, BLOCK_M, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows64[:, None] * Kc + ks[None, :]
         w_ptrs = w_ptr + e * stride_we + cols64[None, :] * stride_wn + ks.to(tl.int64)[:, None] * stride_wk
