@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON result file")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (default 3)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         print("gemm_layouts.py times torch._grouped_mm on a CUDA GPU; none here", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@
 # Usage (repo root, torch + Triton on the GPU): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_layouts.sh layouts|wq|gluon|final|pair|bench
 set -u
 PART=${1:-layouts}
+case "$PART" in layouts|wq|gluon|final|pair|bench) ;; *) echo "unknown part '$PART': use layouts|wq|gluon|final|pair|bench" >&2; exit 2;; esac
 OUT_DEFAULT=/tmp/h200_layouts LOG_NAME=$PART.log
 . "$(dirname "$0")/h200_session.sh"
 if [ "$PART" = layouts ]; then

@@ -106,6 +106,8 @@ def layer_case(name: str, recipe: str, mx_dispatch: bool, shared: int = 0, empty
         "dx_equal": torch.equal(dx, dx_ref[sl]), "dx_rel": rel_diff(dx, dx_ref[sl]),
         "aux_rel": rel_diff(shares[0], aux_ref.aux_loss), "z_rel": rel_diff(shares[1], aux_ref.z_loss),
         "counts_equal": torch.equal(counts, aux_ref.tokens_per_expert),
+        # the EP layer runs the same expert path as the single-process layer, and says so
+        "ran_fused": [ep.last_ran_fused, ref_layer.last_ran_fused],
         "local_counts": counts[lo:hi].tolist(),
         "deterministic": torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(shares, shares2)
                          and all(torch.equal(grads[n], grads2[n]) for n in grads),

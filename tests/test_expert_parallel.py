@@ -146,6 +146,8 @@ def test_layer_matches_single_process(group, case):
         assert c["y_equal"], f"{where}: output differs by {c['y_rel']:.2e}"
         assert c["dx_equal"], f"{where}: input gradient differs by {c['dx_rel']:.2e}"
         assert c["counts_equal"], where
+        ep_fused, ref_fused = c["ran_fused"]
+        assert ep_fused is ref_fused and isinstance(ep_fused, bool), (where, c["ran_fused"])
         assert c["aux_rel"] <= TOL["aux_z_value"] and c["z_rel"] <= TOL["aux_z_value"], where
         for name, g in c["grads"].items():
             if name.startswith("experts."):

@@ -344,14 +344,16 @@ def test_sum_token_rows_triton_equals_reference(k, dtype, out_dtype):
 
 @pytest.mark.parametrize("recipe", ["reference", "triton"])
 def test_sum_token_rows_refuses_k_below_one_on_both_paths(recipe):
-    """k = 0 (or rows not k per token) is a ValueError on the reference path too, as on the
-    Triton path (it was a ZeroDivisionError there)."""
+    """k = 0, rows not k per token, or not one index per row of x: a ValueError on the
+    reference path too, as on the Triton path (k = 0 was a ZeroDivisionError there)."""
     rec = REF if recipe == "reference" else TRI
     x = torch.ones(6, 64, dtype=torch.bfloat16, device=DEV if recipe == "triton" else "cpu")
     rows = torch.arange(6, device=x.device)
     for k, rows_k in ((0, rows), (4, rows)):
         with pytest.raises(ValueError, match="rows per token"):
             me.sum_token_rows(x, rows_k, k, torch.float32, rec)
+    with pytest.raises(ValueError, match="rows must"):  # not one index per row of x
+        me.sum_token_rows(x, rows[:4], 2, torch.float32, rec)
     assert me.sum_token_rows(x, rows, 3, torch.float32, rec).shape == (2, 64)
 
 

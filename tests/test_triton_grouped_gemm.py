@@ -352,3 +352,67 @@ def test_wq_design_c_refusals():
     with pytest.raises(ValueError, match="e2m1|FP8|format"):
         f(a, w, offs, fmt="e2m1")
     assert f(a[:0], w, offs).shape == (0, 16)
+
+
+def test_wq_design_c_nonfinite_weight_blocks_give_nan_where_they_contribute():
+    """A NaN or inf in a weight block makes that block's scale NaN (docs/NUMERICS.md): the
+    outputs it contributes to are NaN, the others finite; forward and dgrad."""
+    sizes, K, N = [6, 5], 64, 40
+    for dgrad in (False, True):
+        w = data((2, N, K), seed=35)
+        w[1, 3, 40] = float("nan")  # expert 1: forward block (n 3, k 32..63); dgrad block (n 32..39, k 40)
+        w[0, 33, 7] = float("inf")  # expert 0: forward block (n 33, k 0..31); dgrad block (n 32..39, k 7)
+        C = N if dgrad else K
+        a = _dequant_ref(data((11, C), seed=36), 1, "e4m3", "rceil").to(torch.bfloat16)
+        out = gg.triton_grouped_mm_wq(a.to(DEV), w.to(DEV), offsets_of(sizes).to(DEV), dgrad=dgrad,
+                                      out_dtype=torch.float32).cpu()
+        want = torch.zeros_like(out, dtype=torch.bool)
+        if dgrad:  # dx[t, k] takes w[e, n, k] over n: the poisoned blocks hit column k of their expert's rows
+            want[6:, 40] = True
+            want[:6, 7] = True
+        else:  # out[t, n] takes w[e, n, :]: the poisoned rows hit column n
+            want[6:, 3] = True
+            want[:6, 33] = True
+        assert torch.equal(out.isnan(), want), dgrad
+
+
+def test_wq_design_c_offsets_outside_rows_never_touch_memory_outside():
+    """Offsets below 0 or past T (non-decreasing, so inside the documented contract, or a
+    bad caller) are clamped into [0, T]: nothing before or after the output is written and
+    the rows outside x are not read; offsets past T count as T."""
+    K, N = 64, 24
+    w = data((3, N, K), seed=37)
+    a = _dequant_ref(data((8, K), seed=38), 1, "e4m3", "rceil").to(torch.bfloat16)
+    guard = 16
+    for offs, groups in (([-5, -5, 8], [(0, 0), (0, 0), (0, 8)]), ([-5, 4, 8], [(0, 0), (0, 4), (4, 8)]),
+                         ([4, 8, 100], [(0, 4), (4, 8), (8, 8)]), ([4, 100, 200], [(0, 4), (4, 8), (8, 8)])):
+        buf = torch.full((guard + 8 + guard, N), 7.0, device=DEV)
+        out = buf[guard:guard + 8]
+        real_empty = torch.empty
+
+        def empty_in_guard(*shape, **kw):
+            if tuple(shape) == (8, N) and kw.get("dtype") == torch.float32:
+                return out
+            return real_empty(*shape, **kw)
+
+        gg.torch.empty = empty_in_guard
+        try:
+            got = gg.triton_grouped_mm_wq(a.to(DEV), w.to(DEV), torch.tensor(offs, dtype=torch.int32, device=DEV),
+                                          out_dtype=torch.float32)
+        finally:
+            gg.torch.empty = real_empty
+        assert got.data_ptr() == out.data_ptr()
+        assert (buf[:guard] == 7).all() and (buf[guard + 8:] == 7).all(), offs
+        wq = _dequant_ref(w.float(), 2, "e4m3", "rceil")
+        for e, (lo, hi) in enumerate(groups):
+            exact = a[lo:hi].double() @ wq[e].T
+            S = a[lo:hi].double().abs() @ wq[e].abs().T
+            assert_within(got[lo:hi], exact, S, K, torch.float32)
+
+
+def test_wq_design_c_no_experts_or_no_contraction_gives_zeros():
+    a = torch.full((5, 32), 3.0, dtype=torch.bfloat16, device=DEV)
+    out = gg.triton_grouped_mm_wq(a, torch.ones(0, 8, 32, device=DEV), torch.zeros(0, dtype=torch.int32, device=DEV))
+    assert out.shape == (5, 8) and (out == 0).all()  # E = 0
+    out = gg.triton_grouped_mm_wq(a[:, :0], torch.ones(2, 8, 0, device=DEV), offsets_of([2, 3]).to(DEV))
+    assert out.shape == (5, 8) and (out == 0).all()  # K = 0

@@ -264,7 +264,7 @@ class ExpertParallelMoELayer(nn.Module):
         offsets_L = torch.cumsum(recv_counts_PL.sum(dim=0), 0).to(device=device, dtype=torch.int32)
         # 3. local experts, rows in (local expert, global token) order (the same rows in the
         # same order as the single-process layer's experts see)
-        fused = self.last_ran_fused = runs_fused(self.fused, self.recipe, x_RD)
+        fused = runs_fused(self.fused, self.recipe, x_RD)
         if fused:
             y_local_RD = mx_moe_experts(x_RD, perm_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe)
         else:
@@ -276,6 +276,7 @@ class ExpertParallelMoELayer(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self.recipe)
         self.last_tokens_per_expert = counts_global_E.to(device)
+        self.last_ran_fused = fused  # set once the forward has run
         aux_share, z_share = self._loss_shares(r.probs_TE, r.logits_TE, self.last_tokens_per_expert, tokens_global)
         return y_TD.reshape(shape), MoEAux(aux_share, z_share, self.last_tokens_per_expert)
 

@@ -165,14 +165,15 @@ def _swizzle(local, n_rows, n_cols, group_m):
 @triton.jit
 def _row_groups(offs_ptr, T, E, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """The row groups of a grouped GEMM over tokens, from the (E,) cumulative ends: groups
-    0..E-1 are the experts (rows clamped to T), group E the rows [offsets[-1], T) (written as
+    0..E-1 are the experts (rows clamped to [0, T]), group E the rows [offsets[-1], T) (written as
     zeros, never read), groups beyond are empty. Returns (g, starts, ends, row_tiles,
     cum_rows (inclusive), total_rows): per-group vectors of length G_POW2 and the total."""
     g = tl.arange(0, G_POW2)
     is_expert = g < E
-    ends = tl.where(is_expert, tl.minimum(tl.load(offs_ptr + g, mask=is_expert, other=0), T), T)
+    # offsets clamped into [0, T]: rows outside x are never read or written, whatever the offsets
+    ends = tl.where(is_expert, tl.minimum(tl.maximum(tl.load(offs_ptr + g, mask=is_expert, other=0), 0), T), T)
     has_prev = (g > 0) & (g <= E)
-    starts = tl.where(has_prev, tl.minimum(tl.load(offs_ptr + g - 1, mask=has_prev, other=0), T), 0)
+    starts = tl.where(has_prev, tl.minimum(tl.maximum(tl.load(offs_ptr + g - 1, mask=has_prev, other=0), 0), T), 0)
     starts = tl.where(g > E, T, starts)
     sizes = tl.maximum(ends - starts, 0)
     row_tiles = (sizes + BLOCK_M - 1) // BLOCK_M

@@ -420,7 +420,7 @@ class MoELayer(nn.Module):
         counts_E = tokens_per_expert(experts_A, self.n_experts)
         offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_in_TD = mx_round_rows(x_TD, self.recipe) if self.mx_dispatch else x_TD
-        fused = self.last_ran_fused = runs_fused(self.fused, self.recipe, x_TD)
+        fused = runs_fused(self.fused, self.recipe, x_TD)
         if fused:
             # the gather happens inside the op, fused with quantization
             y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, self.experts.w13, self.experts.w2,
@@ -435,6 +435,7 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self.recipe)
         self.last_tokens_per_expert = counts_E.detach()
+        self.last_ran_fused = fused  # set once the forward has run
         aux = MoEAux(
             aux_loss=load_balancing_loss(r.probs_TE, r.experts_Tk),
             z_loss=router_z_loss(r.logits_TE),

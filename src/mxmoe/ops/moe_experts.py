@@ -124,10 +124,13 @@ def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype,
     Triton kernel on the Triton path, index_select + float32 sum otherwise.
 
     Raises:
-        ValueError: k < 1 or the rows are not k per token (both paths alike).
+        ValueError: k < 1, the rows are not k per token, or rows is not one per row of x
+            (both paths alike).
     """
     if k < 1 or x_AD.shape[0] % k:
         raise ValueError(f"{x_AD.shape[0]} rows are not k = {k} rows per token (k >= 1)")
+    if rows_A.shape != (x_AD.shape[0],):
+        raise ValueError(f"rows must have shape ({x_AD.shape[0]},), one per row of x, got {tuple(rows_A.shape)}")
     if _triton(recipe, x_AD.device, x_AD.dtype):
         from ..kernels.moe import triton_sum_token_rows
 
