@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import triton_grouped_gemm as tg
-from .quantize import interpreting
+from .quantize import _codes, interpreting
 
 BLOCK = tg.BLOCK
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -355,8 +355,6 @@ def triton_grouped_mm_wq(a: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e
         ValueError: shapes disagree, devices differ, CPU tensors outside the interpreter,
             an unknown format or scale rule.
     """
-    from .quantize import _codes
-
     _check_out_dtype(out_dtype)
     _check_device(a, w)
     if a.dtype != torch.bfloat16:
