@@ -251,6 +251,19 @@ def holds_run(out: Path) -> bool:
     return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists()
 
 
+def _settings_diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, saved value, new value) of every setting that differs between two config dicts;
+    a nested dict (the model's) is compared key by key, its keys named ``<key>.<subkey>`` (``model.layers``)."""
+    diff = []
+    for k in list(now) + [k for k in saved if k not in now]:
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff += _settings_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            diff.append((f"{prefix}{k}", a, b))
+    return diff
+
+
 def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
                 check_checkpoint: Callable[[TrainConfig, dict, Path], None] | None = None) -> PreparedRun:
     """Everything that can refuse a run, checked before any file is touched: the output
@@ -284,11 +297,12 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
         if check_checkpoint is not None:
             check_checkpoint(cfg, checkpoint, out)
         saved = TrainConfig.from_dict(checkpoint["train_config"])
-        mismatched = [k for k, v in cfg.to_dict().items()
-                      if k not in RESUME_MAY_CHANGE and saved.to_dict().get(k) != v]
+        mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
+                      if k not in RESUME_MAY_CHANGE]
         if mismatched:
-            raise ValueError(f"--resume with settings that differ from the checkpoint's: {mismatched}; "
-                             f"use the original settings or a new --out-dir")
+            raise ValueError("--resume with settings that differ from the checkpoint's: "
+                             + "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in mismatched)
+                             + "; use the original settings or a new --out-dir")
         if checkpoint["step"] >= cfg.steps:
             raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
                              f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
