@@ -106,7 +106,8 @@ if gluon is not None:
     @gluon.jit
     def _wq_tma_fwd_kernel(x_desc, w_desc, out_ptr, prog_e, prog_r0, prog_r1, prog_n0, N, K,
                            BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                           ASM: gl.constexpr, QUANT: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+                           ASM: gl.constexpr, QUANT: gl.constexpr, MMA: gl.constexpr, DIRECT: gl.constexpr,
+                           num_warps: gl.constexpr):
         pid = gl.program_id(0)
         e = gl.load(prog_e + pid)
         if e >= 0:
@@ -135,16 +136,20 @@ if gluon is not None:
             for i in range(n_k):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                wr = w_ring.index(s).load(wl)
-                if QUANT:
-                    wq = _qdq_blocks(wr, ASM)
-                else:  # timing reference: the same kernel without the quantization
-                    wq = wr
-                q_smem.index(i % 2).store(wq)
-                fence_async_shared()
-                gl.thread_barrier()
+                if DIRECT:  # timing reference: the raw weight tile straight from the ring (a bf16 GEMM)
+                    a_op = w_ring.index(s)
+                else:
+                    wr = w_ring.index(s).load(wl)
+                    if QUANT:
+                        wq = _qdq_blocks(wr, ASM)
+                    else:  # timing reference: the same kernel without the quantization
+                        wq = wr
+                    q_smem.index(i % 2).store(wq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    a_op = q_smem.index(i % 2)
                 if MMA:  # MMA=False: timing reference, everything but the tensor-core work
-                    acc = warpgroup_mma(q_smem.index(i % 2), x_ring.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma(a_op, x_ring.index(s).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # wgmma i - 1 is done and every thread read its raw tile: refill its stage
                 j = i + STAGES - 1
@@ -203,12 +208,13 @@ def program_table(offsets: Tensor, T: int, N: int, block_t: int, block_w: int, o
 def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                                 block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 3,
                                 num_warps: int = 8, order: str = "weight", quantize: bool = True,
-                                mma: bool = True) -> Tensor:
+                                mma: bool = True, direct: bool = False) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (e) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw, contiguous; offsets (E,) int32 cumulative ends.
     Rows at and past offsets[-1] are zeros. CUDA (sm90) only; K a multiple of 8 (TMA's
     16-byte row pitch). ``quantize=False`` (the raw weight) and ``mma=False`` (no
-    tensor-core work) are timing references, not results.
+    tensor-core work) and ``direct=True`` (the raw weight tile from the ring straight into the
+    wgmma: a plain bf16 grouped GEMM on this skeleton) are timing references, not results.
 
     Raises:
         RuntimeError: no Gluon in this Triton. ValueError/TypeError: as the checks say.
@@ -239,5 +245,5 @@ def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: 
     w_desc = TensorDescriptor.from_tensor(w.view(E * N, K), [block_w, block_k], w_sl)
     _wq_tma_fwd_kernel[(pe.numel(),)](
         x_desc, w_desc, out, pe, pr0, pr1, pn0, N, K, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k,
-        STAGES=stages, ASM=qdq_block_asm(fmt, mode), QUANT=quantize, MMA=mma, num_warps=num_warps)
+        STAGES=stages, ASM=qdq_block_asm(fmt, mode), QUANT=quantize, MMA=mma, DIRECT=direct, num_warps=num_warps)
     return zero_rows_past_end(out, offsets)
