@@ -1,5 +1,6 @@
-"""Design (e) (benchmarks/gluon_wq_tma.py) on the H200: exactness checks, a sweep of its
-settings, and the per-call forward against bf16 torch._grouped_mm and design (a).
+"""Designs (e) (benchmarks/gluon_wq_tma.py, Gluon) and (f) (benchmarks/cuda_wq_cluster.py,
+CUDA with 2-CTA clusters) on the H200: exactness checks, a sweep of settings, and the
+per-call forward against bf16 torch._grouped_mm and design (a). ``--design e`` or ``f``.
 
 Checks (each prints ok or FAIL):
 - the quantized weight value for value: with one-hot token rows (x = I, one expert) the
@@ -11,12 +12,12 @@ Checks (each prints ok or FAIL):
   with empty experts, N = 33 and K = 1408 / 2880, zeros past the last offset, T = 0;
 - floor and rceil scales, e4m3 and e5m2.
 Timing (CUDA-graph replay, median): at (16384, 2048, 1408, 64), with the issue's routing
-and with 256 tokens per expert, a sweep of settings, each also without its quantization,
-without its MMA, as a plain bf16 GEMM on the same skeleton (``direct``) and with its data
-movement alone (``direct``, no MMA); then per shape of issue 4, bf16, (a) per call, (e)
-with the x pass and (e)'s kernel alone.
+and with 256 tokens per expert, a sweep of settings, each also as a plain bf16 GEMM on the
+same skeleton (``direct``: the raw weight tile into the MMA) and, for (e), without its
+quantization, without its MMA and with its data movement alone (``direct``, no MMA); then
+per shape of issue 4, bf16, (a) per call, the design with the x pass and its kernel alone.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/gluon_wq_tma_bench.py [--out e.json]
+    PYTHONPATH=src:benchmarks python3 benchmarks/wq_kernels_bench.py --design e|f [--out e.json]
 
 The commit is read from the environment variable COMMIT. Needs a CUDA GPU (exit 2 without).
 """
@@ -34,33 +35,47 @@ import torch
 
 from grouped_gemm import SHAPES, SKEWED, group_sizes
 
-SWEEP = [  # (block_w, block_t, block_k, stages, num_warps, order)
-    (128, 256, 64, 3, 8, "weight"), (128, 256, 64, 3, 8, "token"), (128, 256, 64, 4, 8, "weight"),
-    (128, 128, 64, 4, 8, "weight"), (128, 256, 32, 5, 8, "weight"),
-]
+SWEEP = {  # per design: settings (keyword arguments), the first one also timed at balanced routing
+    "e": [dict(block_w=bw, block_t=bt, block_k=bk, stages=st, num_warps=nw, order=o) for bw, bt, bk, st, nw, o in [
+        (128, 256, 64, 4, 8, "weight"), (128, 256, 64, 3, 8, "weight"), (128, 256, 64, 3, 8, "token"),
+        (128, 128, 64, 4, 8, "weight"), (128, 256, 32, 5, 8, "weight")]],
+    "f": [dict(stages=4, order="weight"), dict(stages=3, order="weight"), dict(stages=4, order="token")],
+}
+REFS = {  # timing references per design: name -> extra keyword arguments
+    "e": {"kernel": {}, "no quant": dict(quantize=False), "no mma": dict(mma=False),
+          "bf16 on this skeleton (direct)": dict(direct=True),
+          "data movement only (direct, no mma)": dict(direct=True, mma=False)},
+    "f": {"kernel": {}, "bf16 on this skeleton (direct)": dict(direct=True)},
+}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="JSON result file")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds for the whole run (default 400)")
+    ap.add_argument("--design", choices=("e", "f"), default="e", help="e: Gluon (default); f: CUDA, 2-CTA clusters")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
-        print("gluon_wq_tma_bench.py times GPU kernels; no CUDA GPU here", file=sys.stderr)
+        print("wq_kernels_bench.py times GPU kernels; no CUDA GPU here", file=sys.stderr)
         return 2
     import triton
     from quantize import bench
 
-    from gluon_wq_tma import gluon_grouped_mm_wq_tma_fwd as efwd
+    if args.design == "e":
+        from gluon_wq_tma import gluon_grouped_mm_wq_tma_fwd as efwd
+    else:
+        from cuda_wq_cluster import cuda_grouped_mm_wq_fwd as efwd
     from mxmoe.ops.gemm import grouped_mm_nt
     from mxmoe.ops.quantize import fake_quantize
     from mxmoe.recipe import get_recipe
 
     t0 = time.time()
+    d = args.design
     recipe = get_recipe("mxfp8")
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
-            "fmt": str(recipe.fmt), "mode": str(recipe.scale_mode), "timing": "CUDA-graph replay, median"}
+            "fmt": str(recipe.fmt), "mode": str(recipe.scale_mode), "timing": "CUDA-graph replay, median",
+            "design": args.design}
     print(json.dumps(info), flush=True)
     bf = torch.bfloat16
     fails = []
@@ -131,11 +146,8 @@ def main() -> int:
         ref = grouped_mm_nt(xq, fq(w, 2), offs)
         t_bf = bench(lambda: torch._grouped_mm(x, w_t, offs=offs), graph=True)
         print(f"sweep at {SHAPES[2]}, {label}: bf16 {t_bf * 1e6:.1f} us", flush=True)
-        refs = {"kernel": {}, "no quant": dict(quantize=False), "no mma": dict(mma=False),
-                "bf16 on this skeleton (direct)": dict(direct=True),
-                "data movement only (direct, no mma)": dict(direct=True, mma=False)}
-        for bw, bt, bk, st, nw, order in SWEEP if label == "issue routing" else SWEEP[2:3]:
-            kw = dict(block_w=bw, block_t=bt, block_k=bk, stages=st, num_warps=nw, order=order)
+        refs = REFS[args.design]
+        for kw in SWEEP[args.design] if label == "issue routing" else SWEEP[args.design][:1]:
             try:
                 out = efwd(xq, w, offs, **kw)
                 torch.cuda.synchronize()
@@ -168,15 +180,15 @@ def main() -> int:
         xq = fq(x, 1)
         t = {"bf16": bench(lambda: torch._grouped_mm(x, w_t, offs=offs), graph=True),
              "(a)": bench(lambda: grouped_mm_nt(fq(x, 1), fq(w, 2), offs), graph=True),
-             "(e)": bench(lambda: efwd(fq(x, 1), w, offs, **kw), graph=True),
-             "(e) kernel": bench(lambda: efwd(xq, w, offs, **kw), graph=True),
+             f"({d})": bench(lambda: efwd(fq(x, 1), w, offs, **kw), graph=True),
+             f"({d}) kernel": bench(lambda: efwd(xq, w, offs, **kw), graph=True),
              "x pass": bench(lambda: fq(x, 1), graph=True)}
         for order in ("weight", "token"):
             if order != kw["order"]:
-                t[f"(e) kernel, order {order}"] = bench(lambda: efwd(xq, w, offs, **{**kw, "order": order}), graph=True)
+                t[f"({d}) kernel, order {order}"] = bench(lambda: efwd(xq, w, offs, **{**kw, "order": order}), graph=True)
         eq = torch.equal(efwd(xq, w, offs, **kw), grouped_mm_nt(xq, fq(w, 2), offs))
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
-        print(f"\n{name}: (e) bit-equal to (a): {eq}")
+        print(f"\n{name}: ({d}) bit-equal to (a): {eq}")
         flop = 2.0 * T * K * N
         for k, v in t.items():
             print(f"  {k:28s} {v * 1e6:9.1f} us {flop / v / 1e12:7.1f} TFLOP/s  x bf16 {t['bf16'] / v:6.3f}")

@@ -1,0 +1,284 @@
+"""Design (f) of the MXFP8 grouped GEMM on sm90: the raw weight quantized inside a CUDA
+wgmma kernel that runs in 2-CTA clusters sharing the token tile by TMA multicast
+(experimental).
+
+Forward of the expert GEMM, out[t, n] = sum_k xq[t, k] Q(w[e(t), n, :])[k]: xq the
+activation already quantized and dequantized (a quantize pass, bf16), Q the MX quantization
+of the raw bf16 weight along k, dequantized (docs/NUMERICS.md).
+
+Why (benchmarks/NOTES.md, session 12): design (e) (Gluon) moves 48 KB from L2 per CTA and
+(128 x 256 x 64) step and its data movement alone is slower than CUTLASS's bf16 grouped
+GEMM, which runs the same tile in 2-CTA clusters that multicast the shared operand (32 KB
+per CTA and step). Triton 3.6's Gluon has no multicast, so this is CUDA (NVRTC, sm_90a).
+
+Per cluster: one expert, one token tile of 256 rows (the wgmma N side) and 2 x 128 weight
+rows (the M side; CTA rank r takes rows n0 + 128 r). Each CTA loads its own raw weight tile
+(128 x 64 per step, TMA) and half of the token tile (128 x 64), multicast to both CTAs, so
+both hold the whole token tile. 384 threads: warpgroups 0 and 1 consume (64 weight rows
+each: the raw tile from shared memory to registers, the PTX quantization of design (e)
+(``gluon_wq_tma.qdq_block_asm``), the bf16 tile back to a swizzled shared tile, four
+wgmma m64n256k16 from shared memory, one group in flight), warpgroup 2 produces (one
+thread issues the TMA loads into a ring of STAGES; the others idle with 40 registers).
+Stage release goes to the empty barriers of both CTAs (a stage is refilled by both
+producers). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM on this
+skeleton, a timing reference).
+
+Run only on the H200 (benchmarks/cuda_wq_cluster_bench.py checks it against design (a));
+compiled at first use by torch.cuda._compile_kernel (NVRTC), launched through the driver
+(cuLaunchKernel with the two TMA descriptors by value).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import torch
+from torch import Tensor
+
+from gluon_wq_tma import program_table, qdq_block_asm
+
+BLOCK_W, BLOCK_T, BLOCK_K = 128, 256, 64  # per CTA: weight rows, tokens, k per step
+THREADS = 384
+
+
+def _wgmma_asm() -> str:
+    regs = ", ".join(f"%{i}" for i in range(128))
+    return ("{\\n.reg .pred p;\\nsetp.ne.b32 p, %130, 0;\\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" + regs + "}, %128, %129, p, 1, 1, 0, 0;\\n}")
+
+
+def kernel_source(fmt: str, mode: str, stages: int, direct: bool) -> str:
+    """The CUDA source of design (f) for one element format, scale mode and ring depth."""
+    qdq = re.sub(r"\$(\d+)", r"%\1", qdq_block_asm(fmt, mode)).replace("\n", "\\n")
+    acc_ops = ", ".join(f'"+f"(acc[{i}])' for i in range(128))
+    wg = _wgmma_asm()
+    return r'''
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+struct __align__(64) TmaDesc { u64 data[16]; };
+
+#define STAGES ''' + str(stages) + r'''
+#define DIRECT ''' + str(int(direct)) + r'''
+#define X_BYTES (256 * 128)
+#define W_BYTES (128 * 128)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\nbra WAIT;\nDONE:\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}" :: "r"(bar), "r"(cta) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
+}
+__device__ __forceinline__ void tma_load(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                 :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void tma_load_mc(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, u16 mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%3, %4}], [%2], %5;"
+                 :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1), "h"(mask) : "memory");
+}
+// wgmma shared-memory descriptor: K-major tile, 128-byte rows, 128-byte swizzle, 8-row atoms (1024 B)
+__device__ __forceinline__ u64 gmma_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ u32 swz(u32 row, u32 chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc wmap,
+               unsigned short* __restrict__ out, const int* __restrict__ prog_e, const int* __restrict__ prog_r0,
+               const int* __restrict__ prog_r1, const int* __restrict__ prog_n0, int N, int K) {
+    extern __shared__ unsigned char smem_raw[];
+    const int p = blockIdx.x >> 1;
+    const int e = prog_e[p];
+    if (e < 0) return;  // both CTAs of the cluster read the same entry
+    const u32 rank = cluster_rank();
+    const int row0 = prog_r0[p], row1 = prog_r1[p];
+    const int n0 = prog_n0[p] + 128 * (int)rank;
+    const int n_k = (K + 63) / 64;
+    u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 xs = base, ws = xs + STAGES * X_BYTES, qs = ws + STAGES * W_BYTES;
+    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, 4); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_sync();
+    const int wg = tid >> 7;
+    if (wg == 2) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 256) {
+            const int w_row = e * N + n0;
+            for (int i = 0; i < n_k; ++i) {
+                const int s = i % STAGES;
+                mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
+                mbar_expect_tx(full + 8 * s, X_BYTES + W_BYTES);
+                tma_load(ws + s * W_BYTES, &wmap, full + 8 * s, i * 64, w_row);
+                tma_load_mc(xs + s * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * s, i * 64, row0 + 128 * (int)rank,
+                            (u16)3);
+            }
+        }
+    } else {  // consumers: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        float acc[128];
+#pragma unroll
+        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+        const int t = tid & 127;
+        const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // this thread's 32-element block: row r, k 32 kb .. 32 kb + 31
+        for (int i = 0; i < n_k; ++i) {
+            const int s = i % STAGES;
+            mbar_wait(full + 8 * s, (i / STAGES) & 1);
+            u32 a_tile;
+            if (DIRECT) {
+                a_tile = ws + s * W_BYTES;
+            } else {
+                u32 v[16], q[16];
+                const u32 src = ws + s * W_BYTES;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
+                                 : "r"(src + swz(r, 4 * kb + j)));
+                asm volatile("''' + qdq + r'''"
+                    : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]), "=r"(q[4]), "=r"(q[5]), "=r"(q[6]), "=r"(q[7]),
+                      "=r"(q[8]), "=r"(q[9]), "=r"(q[10]), "=r"(q[11]), "=r"(q[12]), "=r"(q[13]), "=r"(q[14]), "=r"(q[15])
+                    : "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]),
+                      "r"(v[8]), "r"(v[9]), "r"(v[10]), "r"(v[11]), "r"(v[12]), "r"(v[13]), "r"(v[14]), "r"(v[15]));
+                a_tile = qs + (i & 1) * W_BYTES;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                                 :: "r"(a_tile + swz(r, 4 * kb + j)), "r"(q[4 * j]), "r"(q[4 * j + 1]),
+                                    "r"(q[4 * j + 2]), "r"(q[4 * j + 3]) : "memory");
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+            }
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const u64 da = gmma_desc(a_tile + wg * 8192 + kk * 32);
+                const u64 db = gmma_desc(xs + s * X_BYTES + kk * 32);
+                asm volatile("''' + wg + r'''"
+                    : ''' + acc_ops + r'''
+                    : "l"(da), "l"(db), "r"(1));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            if (i > 0 && t == 0) {  // wgmma i - 1 is done: its stage is free in both CTAs' eyes
+                const u32 bar = empty + 8 * ((i - 1) % STAGES);
+                mbar_arrive_cluster(bar, 0);
+                mbar_arrive_cluster(bar, 1);
+            }
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        // accumulator fragment of m64n256: d[4c + 2h + b] = (row 16 warp + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + b)
+        const int warp = t >> 5, lane = t & 31;
+#pragma unroll
+        for (int j = 0; j < 128; ++j) {
+            const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
+            const int col = 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
+            const int tok = row0 + col, n = n0 + m;
+            if (tok < row1 && n < N) {
+                u16 h;
+                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
+                out[(long long)tok * N + n] = h;
+            }
+        }
+    }
+    cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
+}
+'''
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
+def _kernel(fmt: str, mode: str, stages: int, direct: bool):
+    key = (fmt, mode, stages, direct)
+    if key not in _KERNELS:
+        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct), "wq_cluster_fwd",
+                                       compute_capability="90a")
+        k.set_shared_memory_config(smem_bytes(stages))
+        _KERNELS[key] = k
+    return _KERNELS[key]
+
+
+def smem_bytes(stages: int) -> int:
+    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages
+
+
+class _TmaDesc(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 16)]
+    _align_ = 64
+
+
+def tma_desc(t: Tensor, box_rows: int) -> _TmaDesc:
+    """A 2-D TMA descriptor of a row-major bf16 (rows, K) tensor: boxes of box_rows x 64,
+    128-byte swizzle, zero fill out of bounds (cuTensorMapEncodeTiled)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    rows, K = t.shape
+    desc = _TmaDesc()
+    dims = (ctypes.c_uint64 * 2)(K, rows)
+    strides = (ctypes.c_uint64 * 1)(K * 2)
+    box = (ctypes.c_uint32 * 2)(64, box_rows)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    # data type 9 = BFLOAT16, interleave 0 = none, swizzle 3 = 128B, L2 promotion 3 = 256B, fill 0 = zeros
+    res = lib.cuTensorMapEncodeTiled(ctypes.byref(desc), 9, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+                                     estr, 0, 3, 3, 0)
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} for shape {tuple(t.shape)}")
+    return desc
+
+
+def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
+                           stages: int = 4, order: str = "weight", direct: bool = False) -> Tensor:
+    """out (T, N) bf16 = xq[t] Q(w[e])^T: design (f) (module docs). xq (T, K) bf16 dequantized
+    MX values along K; w (E, N, K) bf16 raw; offsets (E,) int32 cumulative ends. Rows at and
+    past offsets[-1] are zeros. sm90 only; K a multiple of 8.
+
+    Raises:
+        ValueError/TypeError: as the checks say.
+    """
+    from mxmoe.ops.gemm import zero_rows_past_end
+
+    fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
+    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2] or xq.shape[1] % 8:
+        raise ValueError(f"expected xq (T, K) and w (E, N, K), K a multiple of 8, got {tuple(xq.shape)}, {tuple(w.shape)}")
+    xq, w = xq.contiguous(), w.contiguous()
+    T, K = xq.shape
+    E, N, _ = w.shape
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
+    if T == 0 or N == 0 or E == 0:
+        return out.zero_()
+    pe, pr0, pr1, pn0 = program_table(offsets, T, N, BLOCK_T, 2 * BLOCK_W, order)
+    kern = _kernel(fmt, mode, stages, direct)
+    xd, wd = tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
+    ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
+    ints = [ctypes.c_int(N), ctypes.c_int(K)]
+    params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [xd, wd, *ptrs, *ints]])
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages), stream, params, None)
+    if res != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
+    return zero_rows_past_end(out, offsets)
