@@ -48,8 +48,11 @@ def _wgmma_asm() -> str:
             "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" + regs + "}, %128, %129, p, 1, 1, 0, 0;\\n}")
 
 
-def kernel_source(fmt: str, mode: str, stages: int, direct: bool) -> str:
-    """The CUDA source of design (f) for one element format, scale mode and ring depth."""
+def kernel_source(fmt: str, mode: str, stages: int, direct: bool, xform: bool = True, epi: bool = True) -> str:
+    """The CUDA source of design (f) for one element format, scale mode, ring depth and
+    variant (``xform``: a third warpgroup quantizes, the MMA warpgroups only issue wgmma;
+    else each MMA warpgroup quantizes its own rows; ``epi``: the output through shared
+    memory in 16-byte row pieces, else 2-byte stores from the accumulator fragment)."""
     qdq = re.sub(r"\$(\d+)", r"%\1", qdq_block_asm(fmt, mode)).replace("\n", "\\n")
     acc_ops = ", ".join(f'"+f"(acc[{i}])' for i in range(128))
     wg = _wgmma_asm()
@@ -61,6 +64,8 @@ struct __align__(64) TmaDesc { u64 data[16]; };
 
 #define STAGES ''' + str(stages) + r'''
 #define DIRECT ''' + str(int(direct)) + r'''
+#define XFORM ''' + str(int(xform and not direct)) + r'''
+#define EPI ''' + str(int(epi)) + r'''
 #define X_BYTES (256 * 128)
 #define W_BYTES (128 * 128)
 
@@ -115,18 +120,20 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
     const int n_k = (K + 63) / 64;
     u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 xs = base, ws = xs + STAGES * X_BYTES, qs = ws + STAGES * W_BYTES;
-    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES;
+    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES, qready = empty + 8 * STAGES, qfree = qready + 16;
     const int tid = threadIdx.x;
+    const int w_row = e * N + n0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, 4); }
+        for (int s = 0; s < 2; ++s) { mbar_init(qready + 8 * s, 1); mbar_init(qfree + 8 * s, 2); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();
     const int wg = tid >> 7;
-    if (wg == 2) {  // producer
+    if (wg == 2) {
+#if !XFORM
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 256) {
-            const int w_row = e * N + n0;
+        if (tid == 256) {  // producer only
             for (int i = 0; i < n_k; ++i) {
                 const int s = i % STAGES;
                 mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
@@ -136,20 +143,82 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                             (u16)3);
             }
         }
-    } else {  // consumers: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
+#else
+        // transform warpgroup: quantizes the whole 128 x 64 weight tile of each step (row t2, both
+        // 32-element blocks), hands it to the MMA warpgroups through a double-buffered tile; its
+        // first thread also issues the TMA loads, refilling a stage once both CTAs' MMAs are done with it
+        const int t2 = tid - 256;
+        if (t2 == 0) {
+            for (int j = 0; j < STAGES && j < n_k; ++j) {
+                mbar_expect_tx(full + 8 * j, X_BYTES + W_BYTES);
+                tma_load(ws + j * W_BYTES, &wmap, full + 8 * j, j * 64, w_row);
+                tma_load_mc(xs + j * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * j, j * 64, row0 + 128 * (int)rank,
+                            (u16)3);
+            }
+        }
+        for (int i = 0; i < n_k; ++i) {
+            const int s = i % STAGES, b = i & 1;
+            mbar_wait(full + 8 * s, (i / STAGES) & 1);
+            const u32 src = ws + s * W_BYTES, dst = qs + b * W_BYTES;
+            u32 v[32], q[32];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
+                             : "r"(src + swz(t2, j)));
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                asm volatile("''' + qdq + r'''"
+                    : "=r"(q[16 * h + 0]), "=r"(q[16 * h + 1]), "=r"(q[16 * h + 2]), "=r"(q[16 * h + 3]),
+                      "=r"(q[16 * h + 4]), "=r"(q[16 * h + 5]), "=r"(q[16 * h + 6]), "=r"(q[16 * h + 7]),
+                      "=r"(q[16 * h + 8]), "=r"(q[16 * h + 9]), "=r"(q[16 * h + 10]), "=r"(q[16 * h + 11]),
+                      "=r"(q[16 * h + 12]), "=r"(q[16 * h + 13]), "=r"(q[16 * h + 14]), "=r"(q[16 * h + 15])
+                    : "r"(v[16 * h + 0]), "r"(v[16 * h + 1]), "r"(v[16 * h + 2]), "r"(v[16 * h + 3]),
+                      "r"(v[16 * h + 4]), "r"(v[16 * h + 5]), "r"(v[16 * h + 6]), "r"(v[16 * h + 7]),
+                      "r"(v[16 * h + 8]), "r"(v[16 * h + 9]), "r"(v[16 * h + 10]), "r"(v[16 * h + 11]),
+                      "r"(v[16 * h + 12]), "r"(v[16 * h + 13]), "r"(v[16 * h + 14]), "r"(v[16 * h + 15]));
+            mbar_wait(qfree + 8 * b, ((i >> 1) & 1) ^ 1);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                             :: "r"(dst + swz(t2, j)), "r"(q[4 * j]), "r"(q[4 * j + 1]), "r"(q[4 * j + 2]), "r"(q[4 * j + 3])
+                             : "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("bar.sync 3, 128;" ::: "memory");
+            if (t2 == 0) {
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 8 * b) : "memory");
+                const int j = i - 1 + STAGES;  // refill the stage of step i - 1 with step j
+                if (i >= 1 && j < n_k) {
+                    const int sj = j % STAGES;
+                    mbar_wait(empty + 8 * sj, ((i - 1) / STAGES) & 1);
+                    mbar_expect_tx(full + 8 * sj, X_BYTES + W_BYTES);
+                    tma_load(ws + sj * W_BYTES, &wmap, full + 8 * sj, j * 64, w_row);
+                    tma_load_mc(xs + sj * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * sj, j * 64,
+                                row0 + 128 * (int)rank, (u16)3);
+                }
+            }
+        }
+#endif
+    } else {  // MMA warpgroups: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
+#if !XFORM
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+#endif
         float acc[128];
 #pragma unroll
         for (int j = 0; j < 128; ++j) acc[j] = 0.f;
         const int t = tid & 127;
-        const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // this thread's 32-element block: row r, k 32 kb .. 32 kb + 31
         for (int i = 0; i < n_k; ++i) {
             const int s = i % STAGES;
             mbar_wait(full + 8 * s, (i / STAGES) & 1);
             u32 a_tile;
-            if (DIRECT) {
-                a_tile = ws + s * W_BYTES;
-            } else {
+#if DIRECT
+            a_tile = ws + s * W_BYTES;
+#elif XFORM
+            mbar_wait(qready + 8 * (i & 1), (i >> 1) & 1);
+            a_tile = qs + (i & 1) * W_BYTES;
+#else
+            {
+                const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // this thread's block: row r, k 32 kb .. 32 kb + 31
                 u32 v[16], q[16];
                 const u32 src = ws + s * W_BYTES;
 #pragma unroll
@@ -171,6 +240,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
             }
+#endif
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -186,11 +256,47 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                 const u32 bar = empty + 8 * ((i - 1) % STAGES);
                 mbar_arrive_cluster(bar, 0);
                 mbar_arrive_cluster(bar, 1);
+#if XFORM
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 8 * ((i - 1) & 1)) : "memory");
+#endif
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         // accumulator fragment of m64n256: d[4c + 2h + b] = (row 16 warp + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + b)
         const int warp = t >> 5, lane = t & 31;
+#if EPI
+        // through shared memory (the token ring, idle now: every load of this CTA has landed and
+        // both warpgroups' MMAs are done): tile[token][m] with rows of 272 bytes, then 16-byte rows out
+        asm volatile("bar.sync 4, 256;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 128; ++j) {
+            const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
+            const int col = 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
+            u16 h;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
+            asm volatile("st.shared.b16 [%0], %1;" :: "r"(xs + col * 272 + m * 2), "h"(h) : "memory");
+        }
+        asm volatile("bar.sync 4, 256;" ::: "memory");
+        const int tt = tid;  // 0..255
+#pragma unroll 4
+        for (int it = 0; it < 16; ++it) {
+            const int idx = it * 256 + tt, tok = idx >> 4, c = idx & 15;
+            const int gt = row0 + tok, n = n0 + 8 * c;
+            if (gt < row1 && n < N) {
+                u32 a0, a1, a2, a3;
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                             : "r"(xs + tok * 272 + c * 16));
+                unsigned short* o = out + (long long)gt * N + n;
+                if ((N & 7) == 0 && n + 8 <= N) {
+                    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(o), "r"(a0), "r"(a1), "r"(a2), "r"(a3)
+                                 : "memory");
+                } else {
+                    const u32 wv[4] = {a0, a1, a2, a3};
+                    for (int k = 0; k < 8 && n + k < N; ++k) o[k] = (u16)(wv[k >> 1] >> (16 * (k & 1)));
+                }
+            }
+        }
+#else
 #pragma unroll
         for (int j = 0; j < 128; ++j) {
             const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
@@ -202,6 +308,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                 out[(long long)tok * N + n] = h;
             }
         }
+#endif
     }
     cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
@@ -211,10 +318,10 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
 _KERNELS: dict[tuple, object] = {}
 
 
-def _kernel(fmt: str, mode: str, stages: int, direct: bool):
-    key = (fmt, mode, stages, direct)
+def _kernel(fmt: str, mode: str, stages: int, direct: bool, xform: bool, epi: bool):
+    key = (fmt, mode, stages, direct, xform, epi)
     if key not in _KERNELS:
-        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct), "wq_cluster_fwd",
+        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, xform, epi), "wq_cluster_fwd",
                                        compute_capability="90a")
         k.set_shared_memory_config(smem_bytes(stages))
         _KERNELS[key] = k
@@ -222,7 +329,7 @@ def _kernel(fmt: str, mode: str, stages: int, direct: bool):
 
 
 def smem_bytes(stages: int) -> int:
-    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages
+    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages + 32
 
 
 class _TmaDesc(ctypes.Structure):
@@ -249,7 +356,8 @@ def tma_desc(t: Tensor, box_rows: int) -> _TmaDesc:
 
 
 def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
-                           stages: int = 4, order: str = "weight", direct: bool = False) -> Tensor:
+                           stages: int = 4, order: str = "weight", direct: bool = False, xform: bool = True,
+                           epi: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (f) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw; offsets (E,) int32 cumulative ends. Rows at and
     past offsets[-1] are zeros. sm90 only; K a multiple of 8.
@@ -271,7 +379,7 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     if T == 0 or N == 0 or E == 0:
         return out.zero_()
     pe, pr0, pr1, pn0 = program_table(offsets, T, N, BLOCK_T, 2 * BLOCK_W, order)
-    kern = _kernel(fmt, mode, stages, direct)
+    kern = _kernel(fmt, mode, stages, direct, xform, epi)
     xd, wd = tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
