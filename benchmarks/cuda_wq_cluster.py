@@ -14,11 +14,12 @@ per CTA and step). Triton 3.6's Gluon has no multicast, so this is CUDA (NVRTC, 
 Per cluster: one expert, one token tile of 256 rows (the wgmma N side) and 2 x 128 weight
 rows (the M side; CTA rank r takes rows n0 + 128 r). Each CTA loads its own raw weight tile
 (128 x 64 per step, TMA) and half of the token tile (128 x 64), multicast to both CTAs, so
-both hold the whole token tile. 384 threads: warpgroups 0 and 1 consume (64 weight rows
-each: the raw tile from shared memory to registers, the PTX quantization of design (e)
-(``gluon_wq_tma.qdq_block_asm``), the bf16 tile back to a swizzled shared tile, four
-wgmma m64n256k16 from shared memory, one group in flight), warpgroup 2 produces (one
-thread issues the TMA loads into a ring of STAGES; the others idle with 40 registers).
+both hold the whole token tile. 384 threads (``xform=0``, the default): warpgroups 0 and 1
+consume (64 weight rows each: the raw tile from shared memory to registers, the PTX
+quantization of design (e) (``gluon_wq_tma.qdq_block_asm``), the bf16 tile back to a
+swizzled shared tile, four wgmma m64n256k16 from shared memory, one group in flight),
+warpgroup 2 produces (one thread issues the TMA loads into a ring of STAGES; setmaxnreg
+moves registers from it to the consumers).
 Stage release goes to the empty barriers of both CTAs (a stage is refilled by both
 producers). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM on this
 skeleton, a timing reference).
@@ -39,7 +40,6 @@ from torch import Tensor
 from gluon_wq_tma import program_table, qdq_block_asm
 
 BLOCK_W, BLOCK_T, BLOCK_K = 128, 256, 64  # per CTA: weight rows, tokens, k per step
-THREADS = 384
 
 
 def _wgmma_asm() -> str:
@@ -48,10 +48,11 @@ def _wgmma_asm() -> str:
             "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" + regs + "}, %128, %129, p, 1, 1, 0, 0;\\n}")
 
 
-def kernel_source(fmt: str, mode: str, stages: int, direct: bool, xform: bool = True, epi: bool = True) -> str:
+def kernel_source(fmt: str, mode: str, stages: int, direct: bool, xform: int = 2, epi: bool = True) -> str:
     """The CUDA source of design (f) for one element format, scale mode, ring depth and
-    variant (``xform``: a third warpgroup quantizes, the MMA warpgroups only issue wgmma;
-    else each MMA warpgroup quantizes its own rows; ``epi``: the output through shared
+    variant (``xform`` 2: two more warpgroups quantize, one per MMA warpgroup, which only
+    issue wgmma; 1: one more warpgroup quantizes the whole tile; 0: each MMA warpgroup
+    quantizes its own rows; ``epi``: the output through shared
     memory in 16-byte row pieces, else 2-byte stores from the accumulator fragment)."""
     qdq = re.sub(r"\$(\d+)", r"%\1", qdq_block_asm(fmt, mode)).replace("\n", "\\n")
     acc_ops = ", ".join(f'"+f"(acc[{i}])' for i in range(128))
@@ -64,7 +65,7 @@ struct __align__(64) TmaDesc { u64 data[16]; };
 
 #define STAGES ''' + str(stages) + r'''
 #define DIRECT ''' + str(int(direct)) + r'''
-#define XFORM ''' + str(int(xform and not direct)) + r'''
+#define XFORM ''' + str(0 if direct else int(xform)) + r'''
 #define EPI ''' + str(int(epi)) + r'''
 #define X_BYTES (256 * 128)
 #define W_BYTES (128 * 128)
@@ -106,7 +107,14 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr) {
 }
 __device__ __forceinline__ u32 swz(u32 row, u32 chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+#if XFORM == 2
+#define NT 512
+#elif XFORM == 1
+#define NT 384
+#else
+#define NT 384
+#endif
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc wmap,
                unsigned short* __restrict__ out, const int* __restrict__ prog_e, const int* __restrict__ prog_r0,
                const int* __restrict__ prog_r1, const int* __restrict__ prog_n0, int N, int K) {
@@ -120,17 +128,18 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
     const int n_k = (K + 63) / 64;
     u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 xs = base, ws = xs + STAGES * X_BYTES, qs = ws + STAGES * W_BYTES;
-    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES, qready = empty + 8 * STAGES, qfree = qready + 16;
+    // qready / qfree: [slot b][half g] (half 0 only with one transform warpgroup)
+    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES, qready = empty + 8 * STAGES, qfree = qready + 32;
     const int tid = threadIdx.x;
     const int w_row = e * N + n0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, 4); }
-        for (int s = 0; s < 2; ++s) { mbar_init(qready + 8 * s, 1); mbar_init(qfree + 8 * s, 2); }
+        for (int s = 0; s < 4; ++s) { mbar_init(qready + 8 * s, 1); mbar_init(qfree + 8 * s, XFORM == 2 ? 1 : 2); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();
     const int wg = tid >> 7;
-    if (wg == 2) {
+    if (wg >= 2) {
 #if !XFORM
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {  // producer only
@@ -141,6 +150,56 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                 tma_load(ws + s * W_BYTES, &wmap, full + 8 * s, i * 64, w_row);
                 tma_load_mc(xs + s * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * s, i * 64, row0 + 128 * (int)rank,
                             (u16)3);
+            }
+        }
+#elif XFORM == 2
+        // two transform warpgroups: warpgroup 2 + g quantizes rows 64 g .. 64 g + 63 of the weight tile
+        // (one 32-element block per thread) for MMA warpgroup g; the first thread also issues the TMA loads
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
+        const int t2 = tid - 256, g2 = t2 >> 7;
+        const u32 r = t2 >> 1, kb = t2 & 1;
+        if (t2 == 0) {
+            for (int j = 0; j < STAGES && j < n_k; ++j) {
+                mbar_expect_tx(full + 8 * j, X_BYTES + W_BYTES);
+                tma_load(ws + j * W_BYTES, &wmap, full + 8 * j, j * 64, w_row);
+                tma_load_mc(xs + j * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * j, j * 64, row0 + 128 * (int)rank,
+                            (u16)3);
+            }
+        }
+        for (int i = 0; i < n_k; ++i) {
+            const int s = i % STAGES, b = i & 1;
+            mbar_wait(full + 8 * s, (i / STAGES) & 1);
+            const u32 src = ws + s * W_BYTES, dst = qs + b * W_BYTES;
+            u32 v[16], q[16];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
+                             : "r"(src + swz(r, 4 * kb + j)));
+            asm volatile("''' + qdq + r'''"
+                : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]), "=r"(q[4]), "=r"(q[5]), "=r"(q[6]), "=r"(q[7]),
+                  "=r"(q[8]), "=r"(q[9]), "=r"(q[10]), "=r"(q[11]), "=r"(q[12]), "=r"(q[13]), "=r"(q[14]), "=r"(q[15])
+                : "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]),
+                  "r"(v[8]), "r"(v[9]), "r"(v[10]), "r"(v[11]), "r"(v[12]), "r"(v[13]), "r"(v[14]), "r"(v[15]));
+            mbar_wait(qfree + 16 * b + 8 * g2, ((i >> 1) & 1) ^ 1);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                             :: "r"(dst + swz(r, 4 * kb + j)), "r"(q[4 * j]), "r"(q[4 * j + 1]), "r"(q[4 * j + 2]),
+                                "r"(q[4 * j + 3]) : "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("bar.sync %0, 128;" :: "r"(3 + g2) : "memory");
+            if ((t2 & 127) == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 16 * b + 8 * g2) : "memory");
+            if (t2 == 0) {
+                const int j = i - 1 + STAGES;  // refill the stage of step i - 1 with step j
+                if (i >= 1 && j < n_k) {
+                    const int sj = j % STAGES;
+                    mbar_wait(empty + 8 * sj, ((i - 1) / STAGES) & 1);
+                    mbar_expect_tx(full + 8 * sj, X_BYTES + W_BYTES);
+                    tma_load(ws + sj * W_BYTES, &wmap, full + 8 * sj, j * 64, w_row);
+                    tma_load_mc(xs + sj * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * sj, j * 64,
+                                row0 + 128 * (int)rank, (u16)3);
+                }
             }
         }
 #else
@@ -177,7 +236,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                       "r"(v[16 * h + 4]), "r"(v[16 * h + 5]), "r"(v[16 * h + 6]), "r"(v[16 * h + 7]),
                       "r"(v[16 * h + 8]), "r"(v[16 * h + 9]), "r"(v[16 * h + 10]), "r"(v[16 * h + 11]),
                       "r"(v[16 * h + 12]), "r"(v[16 * h + 13]), "r"(v[16 * h + 14]), "r"(v[16 * h + 15]));
-            mbar_wait(qfree + 8 * b, ((i >> 1) & 1) ^ 1);
+            mbar_wait(qfree + 16 * b, ((i >> 1) & 1) ^ 1);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
                 asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
@@ -186,7 +245,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             asm volatile("bar.sync 3, 128;" ::: "memory");
             if (t2 == 0) {
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 8 * b) : "memory");
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 16 * b) : "memory");
                 const int j = i - 1 + STAGES;  // refill the stage of step i - 1 with step j
                 if (i >= 1 && j < n_k) {
                     const int sj = j % STAGES;
@@ -200,25 +259,30 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
         }
 #endif
     } else {  // MMA warpgroups: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
-#if !XFORM
+#if XFORM == 2
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;");
+#elif !XFORM
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 #endif
         float acc[128];
 #pragma unroll
         for (int j = 0; j < 128; ++j) acc[j] = 0.f;
         const int t = tid & 127;
+        const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // xform 0: this thread's block, row r, k 32 kb .. 32 kb + 31
         for (int i = 0; i < n_k; ++i) {
             const int s = i % STAGES;
             mbar_wait(full + 8 * s, (i / STAGES) & 1);
             u32 a_tile;
 #if DIRECT
             a_tile = ws + s * W_BYTES;
+#elif XFORM == 2
+            mbar_wait(qready + 16 * (i & 1) + 8 * wg, (i >> 1) & 1);
+            a_tile = qs + (i & 1) * W_BYTES;
 #elif XFORM
-            mbar_wait(qready + 8 * (i & 1), (i >> 1) & 1);
+            mbar_wait(qready + 16 * (i & 1), (i >> 1) & 1);
             a_tile = qs + (i & 1) * W_BYTES;
 #else
             {
-                const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // this thread's block: row r, k 32 kb .. 32 kb + 31
                 u32 v[16], q[16];
                 const u32 src = ws + s * W_BYTES;
 #pragma unroll
@@ -256,8 +320,10 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                 const u32 bar = empty + 8 * ((i - 1) % STAGES);
                 mbar_arrive_cluster(bar, 0);
                 mbar_arrive_cluster(bar, 1);
-#if XFORM
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 8 * ((i - 1) & 1)) : "memory");
+#if XFORM == 2
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 16 * ((i - 1) & 1) + 8 * wg) : "memory");
+#elif XFORM
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 16 * ((i - 1) & 1)) : "memory");
 #endif
             }
         }
@@ -267,7 +333,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
 #if EPI
         // through shared memory (the token ring, idle now: every load of this CTA has landed and
         // both warpgroups' MMAs are done): tile[token][m] with rows of 272 bytes, then 16-byte rows out
-        asm volatile("bar.sync 4, 256;" ::: "memory");
+        asm volatile("bar.sync 5, 256;" ::: "memory");
 #pragma unroll
         for (int j = 0; j < 128; ++j) {
             const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
@@ -276,7 +342,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
             asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
             asm volatile("st.shared.b16 [%0], %1;" :: "r"(xs + col * 272 + m * 2), "h"(h) : "memory");
         }
-        asm volatile("bar.sync 4, 256;" ::: "memory");
+        asm volatile("bar.sync 5, 256;" ::: "memory");
         const int tt = tid;  // 0..255
 #pragma unroll 4
         for (int it = 0; it < 16; ++it) {
@@ -318,7 +384,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
 _KERNELS: dict[tuple, object] = {}
 
 
-def _kernel(fmt: str, mode: str, stages: int, direct: bool, xform: bool, epi: bool):
+def _kernel(fmt: str, mode: str, stages: int, direct: bool, xform: int, epi: bool):
     key = (fmt, mode, stages, direct, xform, epi)
     if key not in _KERNELS:
         k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, xform, epi), "wq_cluster_fwd",
@@ -329,7 +395,7 @@ def _kernel(fmt: str, mode: str, stages: int, direct: bool, xform: bool, epi: bo
 
 
 def smem_bytes(stages: int) -> int:
-    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages + 32
+    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages + 64
 
 
 class _TmaDesc(ctypes.Structure):
@@ -356,7 +422,7 @@ def tma_desc(t: Tensor, box_rows: int) -> _TmaDesc:
 
 
 def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
-                           stages: int = 4, order: str = "weight", direct: bool = False, xform: bool = True,
+                           stages: int = 4, order: str = "weight", direct: bool = False, xform: int = 0,
                            epi: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (f) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw; offsets (E,) int32 cumulative ends. Rows at and
@@ -376,8 +442,11 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     T, K = xq.shape
     E, N, _ = w.shape
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
-    if T == 0 or N == 0 or E == 0:
+    if T == 0 or N == 0 or E == 0 or K == 0:
         return out.zero_()
+    if xform == 2 and not direct:
+        raise ValueError("xform=2 (two transform warpgroups, 512 threads) leaves 128 registers per thread, too few "
+                         "for the 128 accumulators of m64n256 (ptxas refuses it); use xform 0 or 1")
     pe, pr0, pr1, pn0 = program_table(offsets, T, N, BLOCK_T, 2 * BLOCK_W, order)
     kern = _kernel(fmt, mode, stages, direct, xform, epi)
     xd, wd = tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
@@ -386,7 +455,8 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [xd, wd, *ptrs, *ints]])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages), stream, params, None)
+    threads = 512 if (xform == 2 and not direct) else 384
+    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, threads, 1, 1, smem_bytes(stages), stream, params, None)
     if res != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
     return zero_rows_past_end(out, offsets)
