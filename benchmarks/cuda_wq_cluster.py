@@ -37,41 +37,44 @@ import re
 import torch
 from torch import Tensor
 
-from gluon_wq_tma import program_table, qdq_block_asm
+from gluon_wq_tma import qdq_block_asm
 
-BLOCK_W, BLOCK_T, BLOCK_K = 128, 256, 64  # per CTA: weight rows, tokens, k per step
-
-
-def _wgmma_asm() -> str:
-    regs = ", ".join(f"%{i}" for i in range(128))
-    return ("{\\n.reg .pred p;\\nsetp.ne.b32 p, %130, 0;\\n"
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" + regs + "}, %128, %129, p, 1, 1, 0, 0;\\n}")
+BLOCK_W, BLOCK_K = 128, 64  # per CTA: weight rows, k per step
+THREADS = 384
 
 
-def kernel_source(fmt: str, mode: str, stages: int, direct: bool, xform: int = 2, epi: bool = True) -> str:
+def _wgmma_asm(n: int) -> str:
+    regs = ", ".join(f"%{i}" for i in range(n // 2))
+    a, b, p = n // 2, n // 2 + 1, n // 2 + 2
+    return ("{\\n.reg .pred p;\\nsetp.ne.b32 p, %" + str(p) + ", 0;\\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{" + regs + f"}}, %{a}, %{b}, p, 1, 1, 0, 0;\\n}}")
+
+
+def kernel_source(fmt: str, mode: str, stages: int, direct: bool, tokens: int = 320, epi: bool = True) -> str:
     """The CUDA source of design (f) for one element format, scale mode, ring depth and
-    variant (``xform`` 2: two more warpgroups quantize, one per MMA warpgroup, which only
-    issue wgmma; 1: one more warpgroup quantizes the whole tile; 0: each MMA warpgroup
-    quantizes its own rows; ``epi``: the output through shared
-    memory in 16-byte row pieces, else 2-byte stores from the accumulator fragment)."""
+    variant: ``tokens`` 256 (one m64n256 accumulator per warpgroup) or 320 (one more of
+    m64n64 for token chunks longer than 256); ``epi``: the output through shared memory in
+    16-byte row pieces, else 2-byte stores from the accumulator fragment; ``direct``: the
+    raw weight tile into the MMA (a bf16 GEMM on this skeleton, a timing reference)."""
+    if tokens not in (256, 320):
+        raise ValueError(f"tokens must be 256 or 320, got {tokens}")
     qdq = re.sub(r"\$(\d+)", r"%\1", qdq_block_asm(fmt, mode)).replace("\n", "\\n")
-    acc_ops = ", ".join(f'"+f"(acc[{i}])' for i in range(128))
-    wg = _wgmma_asm()
-    return r'''
+    acc0 = ", ".join(f'"+f"(acc[{i}])' for i in range(128))
+    acc1 = ", ".join(f'"+f"(acc1[{i}])' for i in range(32))
+    return r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
 struct __align__(64) TmaDesc { u64 data[16]; };
 
-#define STAGES ''' + str(stages) + r'''
-#define DIRECT ''' + str(int(direct)) + r'''
-#define XFORM ''' + str(0 if direct else int(xform)) + r'''
-#define EPI ''' + str(int(epi)) + r'''
-#define X_BYTES (256 * 128)
+#define STAGES """ + str(stages) + r"""
+#define DIRECT """ + str(int(direct)) + r"""
+#define EPI """ + str(int(epi)) + r"""
+#define TOKS """ + str(tokens) + r"""
+#define X_BYTES (TOKS * 128)
 #define W_BYTES (128 * 128)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count));
 }
@@ -106,15 +109,13 @@ __device__ __forceinline__ u64 gmma_desc(u32 addr) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 __device__ __forceinline__ u32 swz(u32 row, u32 chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+__device__ __forceinline__ void put(u32 xs, int m, int col, float v) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    asm volatile("st.shared.b16 [%0], %1;" :: "r"(xs + col * 272 + m * 2), "h"(h) : "memory");
+}
 
-#if XFORM == 2
-#define NT 512
-#elif XFORM == 1
-#define NT 384
-#else
-#define NT 384
-#endif
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
 wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc wmap,
                unsigned short* __restrict__ out, const int* __restrict__ prog_e, const int* __restrict__ prog_r0,
                const int* __restrict__ prog_r1, const int* __restrict__ prog_n0, int N, int K) {
@@ -123,164 +124,52 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
     const int e = prog_e[p];
     if (e < 0) return;  // both CTAs of the cluster read the same entry
     const u32 rank = cluster_rank();
-    const int row0 = prog_r0[p], row1 = prog_r1[p];
+    const int row0 = prog_r0[p], row1 = prog_r1[p];  // this chunk's token rows [row0, row1), at most TOKS
     const int n0 = prog_n0[p] + 128 * (int)rank;
     const int n_k = (K + 63) / 64;
+    const bool two = TOKS > 256 && row1 - row0 > 256;  // the m64n64 accumulator is needed
     u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 xs = base, ws = xs + STAGES * X_BYTES, qs = ws + STAGES * W_BYTES;
-    // qready / qfree: [slot b][half g] (half 0 only with one transform warpgroup)
-    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES, qready = empty + 8 * STAGES, qfree = qready + 32;
+    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES;
     const int tid = threadIdx.x;
-    const int w_row = e * N + n0;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, 4); }
-        for (int s = 0; s < 4; ++s) { mbar_init(qready + 8 * s, 1); mbar_init(qfree + 8 * s, XFORM == 2 ? 1 : 2); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_sync();
     const int wg = tid >> 7;
-    if (wg >= 2) {
-#if !XFORM
+    if (wg == 2) {  // producer: one thread issues the TMA loads (the weight tile, and half of the token
+                    // tile multicast to both CTAs of the cluster)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 256) {  // producer only
+        if (tid == 256) {
+            const int w_row = e * N + n0;
             for (int i = 0; i < n_k; ++i) {
                 const int s = i % STAGES;
                 mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
                 mbar_expect_tx(full + 8 * s, X_BYTES + W_BYTES);
                 tma_load(ws + s * W_BYTES, &wmap, full + 8 * s, i * 64, w_row);
-                tma_load_mc(xs + s * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * s, i * 64, row0 + 128 * (int)rank,
-                            (u16)3);
+                tma_load_mc(xs + s * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * s, i * 64,
+                            row0 + (TOKS / 2) * (int)rank, (u16)3);
             }
         }
-#elif XFORM == 2
-        // two transform warpgroups: warpgroup 2 + g quantizes rows 64 g .. 64 g + 63 of the weight tile
-        // (one 32-element block per thread) for MMA warpgroup g; the first thread also issues the TMA loads
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
-        const int t2 = tid - 256, g2 = t2 >> 7;
-        const u32 r = t2 >> 1, kb = t2 & 1;
-        if (t2 == 0) {
-            for (int j = 0; j < STAGES && j < n_k; ++j) {
-                mbar_expect_tx(full + 8 * j, X_BYTES + W_BYTES);
-                tma_load(ws + j * W_BYTES, &wmap, full + 8 * j, j * 64, w_row);
-                tma_load_mc(xs + j * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * j, j * 64, row0 + 128 * (int)rank,
-                            (u16)3);
-            }
-        }
-        for (int i = 0; i < n_k; ++i) {
-            const int s = i % STAGES, b = i & 1;
-            mbar_wait(full + 8 * s, (i / STAGES) & 1);
-            const u32 src = ws + s * W_BYTES, dst = qs + b * W_BYTES;
-            u32 v[16], q[16];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
-                             : "r"(src + swz(r, 4 * kb + j)));
-            asm volatile("''' + qdq + r'''"
-                : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]), "=r"(q[4]), "=r"(q[5]), "=r"(q[6]), "=r"(q[7]),
-                  "=r"(q[8]), "=r"(q[9]), "=r"(q[10]), "=r"(q[11]), "=r"(q[12]), "=r"(q[13]), "=r"(q[14]), "=r"(q[15])
-                : "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]),
-                  "r"(v[8]), "r"(v[9]), "r"(v[10]), "r"(v[11]), "r"(v[12]), "r"(v[13]), "r"(v[14]), "r"(v[15]));
-            mbar_wait(qfree + 16 * b + 8 * g2, ((i >> 1) & 1) ^ 1);
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                             :: "r"(dst + swz(r, 4 * kb + j)), "r"(q[4 * j]), "r"(q[4 * j + 1]), "r"(q[4 * j + 2]),
-                                "r"(q[4 * j + 3]) : "memory");
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("bar.sync %0, 128;" :: "r"(3 + g2) : "memory");
-            if ((t2 & 127) == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 16 * b + 8 * g2) : "memory");
-            if (t2 == 0) {
-                const int j = i - 1 + STAGES;  // refill the stage of step i - 1 with step j
-                if (i >= 1 && j < n_k) {
-                    const int sj = j % STAGES;
-                    mbar_wait(empty + 8 * sj, ((i - 1) / STAGES) & 1);
-                    mbar_expect_tx(full + 8 * sj, X_BYTES + W_BYTES);
-                    tma_load(ws + sj * W_BYTES, &wmap, full + 8 * sj, j * 64, w_row);
-                    tma_load_mc(xs + sj * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * sj, j * 64,
-                                row0 + 128 * (int)rank, (u16)3);
-                }
-            }
-        }
-#else
-        // transform warpgroup: quantizes the whole 128 x 64 weight tile of each step (row t2, both
-        // 32-element blocks), hands it to the MMA warpgroups through a double-buffered tile; its
-        // first thread also issues the TMA loads, refilling a stage once both CTAs' MMAs are done with it
-        const int t2 = tid - 256;
-        if (t2 == 0) {
-            for (int j = 0; j < STAGES && j < n_k; ++j) {
-                mbar_expect_tx(full + 8 * j, X_BYTES + W_BYTES);
-                tma_load(ws + j * W_BYTES, &wmap, full + 8 * j, j * 64, w_row);
-                tma_load_mc(xs + j * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * j, j * 64, row0 + 128 * (int)rank,
-                            (u16)3);
-            }
-        }
-        for (int i = 0; i < n_k; ++i) {
-            const int s = i % STAGES, b = i & 1;
-            mbar_wait(full + 8 * s, (i / STAGES) & 1);
-            const u32 src = ws + s * W_BYTES, dst = qs + b * W_BYTES;
-            u32 v[32], q[32];
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
-                             : "r"(src + swz(t2, j)));
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                asm volatile("''' + qdq + r'''"
-                    : "=r"(q[16 * h + 0]), "=r"(q[16 * h + 1]), "=r"(q[16 * h + 2]), "=r"(q[16 * h + 3]),
-                      "=r"(q[16 * h + 4]), "=r"(q[16 * h + 5]), "=r"(q[16 * h + 6]), "=r"(q[16 * h + 7]),
-                      "=r"(q[16 * h + 8]), "=r"(q[16 * h + 9]), "=r"(q[16 * h + 10]), "=r"(q[16 * h + 11]),
-                      "=r"(q[16 * h + 12]), "=r"(q[16 * h + 13]), "=r"(q[16 * h + 14]), "=r"(q[16 * h + 15])
-                    : "r"(v[16 * h + 0]), "r"(v[16 * h + 1]), "r"(v[16 * h + 2]), "r"(v[16 * h + 3]),
-                      "r"(v[16 * h + 4]), "r"(v[16 * h + 5]), "r"(v[16 * h + 6]), "r"(v[16 * h + 7]),
-                      "r"(v[16 * h + 8]), "r"(v[16 * h + 9]), "r"(v[16 * h + 10]), "r"(v[16 * h + 11]),
-                      "r"(v[16 * h + 12]), "r"(v[16 * h + 13]), "r"(v[16 * h + 14]), "r"(v[16 * h + 15]));
-            mbar_wait(qfree + 16 * b, ((i >> 1) & 1) ^ 1);
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                             :: "r"(dst + swz(t2, j)), "r"(q[4 * j]), "r"(q[4 * j + 1]), "r"(q[4 * j + 2]), "r"(q[4 * j + 3])
-                             : "memory");
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("bar.sync 3, 128;" ::: "memory");
-            if (t2 == 0) {
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qready + 16 * b) : "memory");
-                const int j = i - 1 + STAGES;  // refill the stage of step i - 1 with step j
-                if (i >= 1 && j < n_k) {
-                    const int sj = j % STAGES;
-                    mbar_wait(empty + 8 * sj, ((i - 1) / STAGES) & 1);
-                    mbar_expect_tx(full + 8 * sj, X_BYTES + W_BYTES);
-                    tma_load(ws + sj * W_BYTES, &wmap, full + 8 * sj, j * 64, w_row);
-                    tma_load_mc(xs + sj * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * sj, j * 64,
-                                row0 + 128 * (int)rank, (u16)3);
-                }
-            }
-        }
-#endif
-    } else {  // MMA warpgroups: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
-#if XFORM == 2
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;");
-#elif !XFORM
+    } else {  // consumers: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-#endif
         float acc[128];
 #pragma unroll
         for (int j = 0; j < 128; ++j) acc[j] = 0.f;
+#if TOKS > 256
+        float acc1[32];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) acc1[j] = 0.f;
+#endif
         const int t = tid & 127;
-        const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // xform 0: this thread's block, row r, k 32 kb .. 32 kb + 31
+        const u32 r = 64 * wg + (t >> 1), kb = t & 1;  // this thread's block: row r, k 32 kb .. 32 kb + 31
         for (int i = 0; i < n_k; ++i) {
             const int s = i % STAGES;
             mbar_wait(full + 8 * s, (i / STAGES) & 1);
             u32 a_tile;
 #if DIRECT
             a_tile = ws + s * W_BYTES;
-#elif XFORM == 2
-            mbar_wait(qready + 16 * (i & 1) + 8 * wg, (i >> 1) & 1);
-            a_tile = qs + (i & 1) * W_BYTES;
-#elif XFORM
-            mbar_wait(qready + 16 * (i & 1), (i >> 1) & 1);
-            a_tile = qs + (i & 1) * W_BYTES;
 #else
             {
                 u32 v[16], q[16];
@@ -290,7 +179,7 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
                     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                                  : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
                                  : "r"(src + swz(r, 4 * kb + j)));
-                asm volatile("''' + qdq + r'''"
+                asm volatile("@QDQ@"
                     : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]), "=r"(q[4]), "=r"(q[5]), "=r"(q[6]), "=r"(q[7]),
                       "=r"(q[8]), "=r"(q[9]), "=r"(q[10]), "=r"(q[11]), "=r"(q[12]), "=r"(q[13]), "=r"(q[14]), "=r"(q[15])
                     : "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]),
@@ -310,45 +199,50 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
             for (int kk = 0; kk < 4; ++kk) {
                 const u64 da = gmma_desc(a_tile + wg * 8192 + kk * 32);
                 const u64 db = gmma_desc(xs + s * X_BYTES + kk * 32);
-                asm volatile("''' + wg + r'''"
-                    : ''' + acc_ops + r'''
+                asm volatile("@WG256@"
+                    : @ACC0@
                     : "l"(da), "l"(db), "r"(1));
+#if TOKS > 256
+                if (two) {
+                    const u64 db1 = gmma_desc(xs + s * X_BYTES + 256 * 128 + kk * 32);
+                    asm volatile("@WG64@"
+                        : @ACC1@
+                        : "l"(da), "l"(db1), "r"(1));
+                }
+#endif
             }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-            if (i > 0 && t == 0) {  // wgmma i - 1 is done: its stage is free in both CTAs' eyes
+            if (i > 0 && t == 0) {  // wgmma i - 1 is done: its stage is free as far as this warpgroup goes
                 const u32 bar = empty + 8 * ((i - 1) % STAGES);
                 mbar_arrive_cluster(bar, 0);
                 mbar_arrive_cluster(bar, 1);
-#if XFORM == 2
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 16 * ((i - 1) & 1) + 8 * wg) : "memory");
-#elif XFORM
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qfree + 16 * ((i - 1) & 1)) : "memory");
-#endif
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        // accumulator fragment of m64n256: d[4c + 2h + b] = (row 16 warp + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + b)
+        // accumulator fragment of m64nN: d[4c + 2h + b] = (row 16 warp + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + b)
         const int warp = t >> 5, lane = t & 31;
+        const int cols = row1 - row0;
 #if EPI
-        // through shared memory (the token ring, idle now: every load of this CTA has landed and
-        // both warpgroups' MMAs are done): tile[token][m] with rows of 272 bytes, then 16-byte rows out
-        asm volatile("bar.sync 5, 256;" ::: "memory");
+        // through shared memory (the token ring, idle now: every load of this CTA has landed and both
+        // warpgroups' MMAs are done): tile[token][m] with rows of 272 bytes, then 16-byte row pieces out
+        asm volatile("bar.sync 3, 256;" ::: "memory");
 #pragma unroll
-        for (int j = 0; j < 128; ++j) {
-            const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
-            const int col = 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
-            u16 h;
-            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
-            asm volatile("st.shared.b16 [%0], %1;" :: "r"(xs + col * 272 + m * 2), "h"(h) : "memory");
+        for (int j = 0; j < 128; ++j)
+            put(xs, 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1), 8 * (j >> 2) + 2 * (lane & 3) + (j & 1), acc[j]);
+#if TOKS > 256
+        if (two) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                put(xs, 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1), 256 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1),
+                    acc1[j]);
         }
-        asm volatile("bar.sync 5, 256;" ::: "memory");
-        const int tt = tid;  // 0..255
-#pragma unroll 4
-        for (int it = 0; it < 16; ++it) {
-            const int idx = it * 256 + tt, tok = idx >> 4, c = idx & 15;
+#endif
+        asm volatile("bar.sync 3, 256;" ::: "memory");
+        for (int idx = tid; idx < cols * 16; idx += 256) {
+            const int tok = idx >> 4, c = idx & 15;
             const int gt = row0 + tok, n = n0 + 8 * c;
-            if (gt < row1 && n < N) {
+            if (n < N) {
                 u32 a0, a1, a2, a3;
                 asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
                              : "r"(xs + tok * 272 + c * 16));
@@ -367,35 +261,86 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
         for (int j = 0; j < 128; ++j) {
             const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
             const int col = 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
-            const int tok = row0 + col, n = n0 + m;
-            if (tok < row1 && n < N) {
+            const int n = n0 + m;
+            if (col < cols && n < N) {
                 u16 h;
                 asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
-                out[(long long)tok * N + n] = h;
+                out[(long long)(row0 + col) * N + n] = h;
             }
         }
+#if TOKS > 256
+        if (two) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
+                const int col = 256 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
+                const int n = n0 + m;
+                if (col < cols && n < N) {
+                    u16 h;
+                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc1[j]));
+                    out[(long long)(row0 + col) * N + n] = h;
+                }
+            }
+        }
+#endif
 #endif
     }
     cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
-'''
+""".replace("@QDQ@", qdq).replace("@WG256@", _wgmma_asm(256)).replace("@WG64@", _wgmma_asm(64)).replace(
+        "@ACC0@", acc0).replace("@ACC1@", acc1)
 
 
 _KERNELS: dict[tuple, object] = {}
 
 
-def _kernel(fmt: str, mode: str, stages: int, direct: bool, xform: int, epi: bool):
-    key = (fmt, mode, stages, direct, xform, epi)
+def _kernel(fmt: str, mode: str, stages: int, direct: bool, tokens: int, epi: bool):
+    key = (fmt, mode, stages, direct, tokens, epi)
     if key not in _KERNELS:
-        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, xform, epi), "wq_cluster_fwd",
+        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, tokens, epi), "wq_cluster_fwd",
                                        compute_capability="90a")
-        k.set_shared_memory_config(smem_bytes(stages))
+        k.set_shared_memory_config(smem_bytes(stages, tokens))
         _KERNELS[key] = k
     return _KERNELS[key]
 
 
-def smem_bytes(stages: int) -> int:
-    return 1024 + stages * (256 * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages + 64
+def smem_bytes(stages: int, tokens: int) -> int:
+    """Dynamic shared memory of one CTA: 1 KB alignment slack, the ring (token and weight
+    tiles), the double-buffered quantized tile, the barriers."""
+    return 1024 + stages * (tokens * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages
+
+
+def chunk_table(offsets: Tensor, T: int, N: int, cap: int, order: str = "weight"
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The clusters of a static grid, one entry each: (expert or -1, first token row, end row
+    of the chunk, first weight row n0 of the cluster's 256), int32, on the device without a
+    host sync. Each expert's S tokens are cut into ceil(S / cap) chunks of near-equal length
+    (at most cap): 300 tokens make one chunk of 300 at cap 320, two of 256 and 44 at cap
+    256. ``order`` as :func:`gluon_wq_tma.program_table`."""
+    if order not in ("weight", "token"):
+        raise ValueError(f"order must be 'weight' or 'token', got {order!r}")
+    E = offsets.numel()
+    pairs = -(-N // 256)
+    ends = torch.cummax(offsets.to(torch.int64).clamp(min=0, max=T), 0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    size = ends - starts
+    nch = (size + cap - 1) // cap
+    clen = (size + nch.clamp(min=1) - 1) // nch.clamp(min=1)
+    cum = (nch * pairs).cumsum(0)
+    p = torch.arange((T // cap + E) * pairs, device=offsets.device)
+    e = torch.searchsorted(cum, p, right=True)
+    valid = e < E
+    ec = e.clamp(max=E - 1)
+    local = p - (cum[ec] - nch[ec] * pairs)
+    n = nch[ec].clamp(min=1)
+    if order == "weight":
+        ct, ch = local // n, local % n
+    else:
+        ch, ct = local // pairs, local % pairs
+    row0 = starts[ec] + ch * clen[ec]
+    row1 = torch.minimum(row0 + clen[ec], ends[ec])
+    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), row1.to(torch.int32),
+            (ct * 256).to(torch.int32))
 
 
 class _TmaDesc(ctypes.Structure):
@@ -422,11 +367,12 @@ def tma_desc(t: Tensor, box_rows: int) -> _TmaDesc:
 
 
 def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
-                           stages: int = 4, order: str = "weight", direct: bool = False, xform: int = 0,
+                           stages: int = 3, tokens: int = 320, order: str = "weight", direct: bool = False,
                            epi: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (f) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw; offsets (E,) int32 cumulative ends. Rows at and
-    past offsets[-1] are zeros. sm90 only; K a multiple of 8.
+    past offsets[-1] are zeros. sm90 only; K a multiple of 8. ``tokens``: the most token
+    rows per cluster (256 or 320; at 320 only 3 stages fit in shared memory).
 
     Raises:
         ValueError/TypeError: as the checks say.
@@ -438,25 +384,25 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
         raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
     if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2] or xq.shape[1] % 8:
         raise ValueError(f"expected xq (T, K) and w (E, N, K), K a multiple of 8, got {tuple(xq.shape)}, {tuple(w.shape)}")
+    if smem_bytes(stages, tokens) > 232448:
+        raise ValueError(f"stages={stages} with tokens={tokens} needs {smem_bytes(stages, tokens)} bytes of shared "
+                         f"memory, more than the 232448 of sm90; use fewer stages")
     xq, w = xq.contiguous(), w.contiguous()
     T, K = xq.shape
     E, N, _ = w.shape
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
     if T == 0 or N == 0 or E == 0 or K == 0:
         return out.zero_()
-    if xform == 2 and not direct:
-        raise ValueError("xform=2 (two transform warpgroups, 512 threads) leaves 128 registers per thread, too few "
-                         "for the 128 accumulators of m64n256 (ptxas refuses it); use xform 0 or 1")
-    pe, pr0, pr1, pn0 = program_table(offsets, T, N, BLOCK_T, 2 * BLOCK_W, order)
-    kern = _kernel(fmt, mode, stages, direct, xform, epi)
-    xd, wd = tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
+    pe, pr0, pr1, pn0 = chunk_table(offsets, T, N, tokens, order)
+    kern = _kernel(fmt, mode, stages, direct, tokens, epi)
+    xd, wd = tma_desc(xq, tokens // 2), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
     params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [xd, wd, *ptrs, *ints]])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    threads = 512 if (xform == 2 and not direct) else 384
-    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, threads, 1, 1, smem_bytes(stages), stream, params, None)
+    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages, tokens), stream,
+                             params, None)
     if res != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
     return zero_rows_past_end(out, offsets)

@@ -39,9 +39,9 @@ SWEEP = {  # per design: settings (keyword arguments), the first one also timed 
     "e": [dict(block_w=bw, block_t=bt, block_k=bk, stages=st, num_warps=nw, order=o) for bw, bt, bk, st, nw, o in [
         (128, 256, 64, 4, 8, "weight"), (128, 256, 64, 3, 8, "weight"), (128, 256, 64, 3, 8, "token"),
         (128, 128, 64, 4, 8, "weight"), (128, 256, 32, 5, 8, "weight")]],
-    "f": [dict(stages=4, order="weight", xform=0, epi=True), dict(stages=3, order="weight", xform=0, epi=True),
-          dict(stages=4, order="token", xform=0, epi=True), dict(stages=4, order="weight", xform=0, epi=False),
-          dict(stages=4, order="weight", xform=1, epi=True)],
+    "f": [dict(tokens=320, stages=3, order="weight"), dict(tokens=256, stages=4, order="weight"),
+          dict(tokens=320, stages=3, order="token"), dict(tokens=320, stages=3, order="weight", epi=False),
+          dict(tokens=256, stages=3, order="weight")],
 }
 REFS = {  # timing references per design: name -> extra keyword arguments
     "e": {"kernel": {}, "no quant": dict(quantize=False), "no mma": dict(mma=False),
