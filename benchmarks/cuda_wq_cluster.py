@@ -1,6 +1,6 @@
 """Design (f) of the MXFP8 grouped GEMM on sm90: the raw weight quantized inside a CUDA
 wgmma kernel that runs in 2-CTA clusters sharing the token tile by TMA multicast
-(experimental).
+(experimental; forward only).
 
 Forward of the expert GEMM, out[t, n] = sum_k xq[t, k] Q(w[e(t), n, :])[k]: xq the
 activation already quantized and dequantized (a quantize pass, bf16), Q the MX quantization
@@ -11,22 +11,26 @@ Why (benchmarks/NOTES.md, session 12): design (e) (Gluon) moves 48 KB from L2 pe
 GEMM, which runs the same tile in 2-CTA clusters that multicast the shared operand (32 KB
 per CTA and step). Triton 3.6's Gluon has no multicast, so this is CUDA (NVRTC, sm_90a).
 
-Per cluster: one expert, one token tile of 256 rows (the wgmma N side) and 2 x 128 weight
-rows (the M side; CTA rank r takes rows n0 + 128 r). Each CTA loads its own raw weight tile
-(128 x 64 per step, TMA) and half of the token tile (128 x 64), multicast to both CTAs, so
-both hold the whole token tile. 384 threads (``xform=0``, the default): warpgroups 0 and 1
-consume (64 weight rows each: the raw tile from shared memory to registers, the PTX
-quantization of design (e) (``gluon_wq_tma.qdq_block_asm``), the bf16 tile back to a
-swizzled shared tile, four wgmma m64n256k16 from shared memory, one group in flight),
-warpgroup 2 produces (one thread issues the TMA loads into a ring of STAGES; setmaxnreg
-moves registers from it to the consumers).
-Stage release goes to the empty barriers of both CTAs (a stage is refilled by both
-producers). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM on this
-skeleton, a timing reference).
+Per cluster: one expert, one chunk of at most ``tokens`` (320) token rows (the wgmma N
+side: an m64n256 accumulator, and an m64n64 one for rows 256..319 when the chunk is longer
+than 256) and 2 x 128 weight rows (the M side; CTA rank r takes rows n0 + 128 r). Each
+expert's tokens are cut into ceil(S / 320) near-equal chunks (:func:`chunk_table`), so the
+issue's 205-307 tokens per expert take one chunk each instead of 256 + a nearly empty
+tile. Each CTA loads its own raw weight tile (128 x 64 per step, TMA) and half of the token
+tile, multicast to both CTAs. 384 threads: warpgroups 0 and 1 consume (64 weight rows each:
+the raw tile from shared memory to registers, the PTX quantization of design (e)
+(``gluon_wq_tma.qdq_block_asm``), the bf16 tile back to a swizzled shared tile, the wgmmas
+from shared memory, one group in flight), warpgroup 2 produces (one thread issues the TMA
+loads into a ring of STAGES; setmaxnreg moves registers from it to the consumers: without
+it ptxas serialized the wgmmas). Stage release goes to the empty barriers of both CTAs (a
+stage is refilled by both producers). The output leaves through shared memory in 16-byte
+row pieces (``epi``). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM
+on this skeleton, a timing reference).
 
-Run only on the H200 (benchmarks/cuda_wq_cluster_bench.py checks it against design (a));
-compiled at first use by torch.cuda._compile_kernel (NVRTC), launched through the driver
-(cuLaunchKernel with the two TMA descriptors by value).
+Run only on the H200: benchmarks/wq_kernels_bench.py --design f checks it against design
+(a) and times it (results/h200_design_e/). Compiled at first use by
+torch.cuda._compile_kernel (NVRTC), launched through the driver (cuLaunchKernel with the
+TMA descriptors by value).
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ __device__ __forceinline__ void put(u32 xs, int m, int col, float v) {
 }
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
-wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc wmap,
+wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc xmap256,
+               const __grid_constant__ TmaDesc wmap,
                unsigned short* __restrict__ out, const int* __restrict__ prog_e, const int* __restrict__ prog_r0,
                const int* __restrict__ prog_r1, const int* __restrict__ prog_n0, int N, int K) {
     extern __shared__ unsigned char smem_raw[];
@@ -143,13 +148,17 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {
             const int w_row = e * N + n0;
+            // a chunk of at most 256 tokens loads 256 rows (128 per CTA, xmap256), a longer one TOKS
+            const int half = two ? TOKS / 2 : 128;
+            const TmaDesc* xm = two ? &xmap : &xmap256;
+            const u32 xbytes = 2 * half * 128;
             for (int i = 0; i < n_k; ++i) {
                 const int s = i % STAGES;
                 mbar_wait(empty + 8 * s, ((i / STAGES) & 1) ^ 1);
-                mbar_expect_tx(full + 8 * s, X_BYTES + W_BYTES);
+                mbar_expect_tx(full + 8 * s, xbytes + W_BYTES);
                 tma_load(ws + s * W_BYTES, &wmap, full + 8 * s, i * 64, w_row);
-                tma_load_mc(xs + s * X_BYTES + rank * (X_BYTES / 2), &xmap, full + 8 * s, i * 64,
-                            row0 + (TOKS / 2) * (int)rank, (u16)3);
+                tma_load_mc(xs + s * X_BYTES + rank * (half * 128), xm, full + 8 * s, i * 64, row0 + half * (int)rank,
+                            (u16)3);
             }
         }
     } else {  // consumers: warpgroup wg takes weight rows 64 wg .. 64 wg + 63 of this CTA
@@ -220,6 +229,14 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        // tie the accumulators to the wait, so that no read of them is moved above it (ptxas would
+        // then serialize the wgmmas of the main loop)
+#pragma unroll
+        for (int j = 0; j < 128; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
+#if TOKS > 256
+#pragma unroll
+        for (int j = 0; j < 32; ++j) asm volatile("" : "+f"(acc1[j]) :: "memory");
+#endif
         // accumulator fragment of m64nN: d[4c + 2h + b] = (row 16 warp + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + b)
         const int warp = t >> 5, lane = t & 31;
         const int cols = row1 - row0;
@@ -395,10 +412,11 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
         return out.zero_()
     pe, pr0, pr1, pn0 = chunk_table(offsets, T, N, tokens, order)
     kern = _kernel(fmt, mode, stages, direct, tokens, epi)
-    xd, wd = tma_desc(xq, tokens // 2), tma_desc(w.view(E * N, K), 128)
+    xd, xd256, wd = tma_desc(xq, tokens // 2), tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
-    params = (ctypes.c_void_p * 9)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [xd, wd, *ptrs, *ints]])
+    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p)
+                                      for a in [xd, xd256, wd, *ptrs, *ints]])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages, tokens), stream,
