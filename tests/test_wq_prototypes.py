@@ -1,0 +1,115 @@
+"""CPU checks of the host-side logic of the in-GEMM weight quantization prototypes
+(benchmarks/gluon_wq_tma.py, design (e); benchmarks/cuda_wq_cluster.py, design (f)).
+
+Their kernels run only on sm90 (benchmarks/wq_kernels_bench.py checks them on the H200);
+what runs on the host is the tile / chunk schedule, computed with torch ops on the device
+(no host sync), and the generated PTX / CUDA text. A wrong schedule would drop or double
+output rows silently on the GPU, so every row of every expert must be covered exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+gluon_wq_tma = pytest.importorskip("gluon_wq_tma")
+cuda_wq_cluster = pytest.importorskip("cuda_wq_cluster")
+
+GROUPS = [[162, 0, 2577, 446, 0, 83], [0, 0, 0], [300, 513], [256] * 4, [257, 320, 321, 640, 1, 0], [1000], [5]]
+
+
+def _coverage(T, N, rows, width):
+    e, r0, r1, n0 = rows
+    cov = torch.zeros(T, N, dtype=torch.int32)
+    for i in range(e.numel()):
+        if int(e[i]) >= 0:
+            a, b = int(r0[i]), int(r1[i])
+            assert a < b, "an entry with no rows"
+            cov[a:b, int(n0[i]):int(n0[i]) + width] += 1
+    return cov
+
+
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("order", ["weight", "token"])
+def test_program_table_covers_each_row_once(sizes, order):
+    T = sum(sizes) + 7  # rows past the last offset exist and stay uncovered
+    N, block_t, block_w = 300, 256, 128
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    e, r0, r1, n0 = gluon_wq_tma.program_table(offs, T, N, block_t, block_w, order)
+    assert e.numel() == (T // block_t + len(sizes)) * -(-N // block_w)
+    ends = offs.tolist()
+    for i in range(e.numel()):
+        if int(e[i]) >= 0:  # a tile never straddles two experts; r1 is its expert's end
+            assert int(r1[i]) == ends[int(e[i])] and int(r0[i]) < int(r1[i])
+    cov = _coverage(T, N + block_w, (e, r0, torch.minimum(r0 + block_t, r1), n0), block_w)[:, :N]
+    end = sum(sizes)
+    assert bool((cov[:end] == 1).all()) and bool((cov[end:] == 0).all())
+
+
+@pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("cap", [256, 320])
+@pytest.mark.parametrize("order", ["weight", "token"])
+def test_chunk_table_covers_each_row_once(sizes, cap, order):
+    T = sum(sizes) + 3
+    N = 600  # three 256-row cluster pairs, the last one partly past N
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    e, r0, r1, n0 = cuda_wq_cluster.chunk_table(offs, T, N, cap, order)
+    assert e.numel() == (T // cap + len(sizes)) * -(-N // 256)
+    starts = [0] + offs.tolist()[:-1]
+    ends = offs.tolist()
+    for i in range(e.numel()):
+        if int(e[i]) >= 0:
+            k = int(e[i])
+            assert starts[k] <= int(r0[i]) < int(r1[i]) <= ends[k], "a chunk leaves its expert"
+            assert int(r1[i]) - int(r0[i]) <= cap
+    cov = _coverage(T, N + 256, (e, r0, r1, n0), 256)[:, :N]
+    end = sum(sizes)
+    assert bool((cov[:end] == 1).all()) and bool((cov[end:] == 0).all())
+
+
+def test_chunks_are_near_equal():
+    # 300 tokens: one chunk at cap 320 (not 256 + 44); 641: three of 214 / 214 / 213
+    offs = torch.tensor([300, 941], dtype=torch.int32)
+    e, r0, r1, _ = cuda_wq_cluster.chunk_table(offs, 941, 256, 320)
+    lens = sorted((int(b) - int(a)) for k, a, b in zip(e, r0, r1) if int(k) >= 0)
+    assert lens == [213, 214, 214, 300]
+
+
+def test_schedules_refuse_an_unknown_order():
+    offs = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="order"):
+        gluon_wq_tma.program_table(offs, 4, 8, 256, 128, "rows")
+    with pytest.raises(ValueError, match="order"):
+        cuda_wq_cluster.chunk_table(offs, 4, 8, 320, "rows")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_block_asm_text(fmt, mode):
+    text = gluon_wq_tma.qdq_block_asm(fmt, mode)
+    assert f"cvt.rn.satfinite.{fmt}x2.f32" in text and f"cvt.rn.f16x2.{fmt}x2" in text
+    for i in range(32):  # results $0..$15, operands $16..$31
+        assert re.search(rf"\${i}\b", text), i
+    assert ("mul.f32 d, d," in text) == (mode == "rceil")  # rceil divides the amax by the format's max
+    src = cuda_wq_cluster.kernel_source(fmt, mode, 3, False, 320, True)
+    assert "$" not in src and "@" not in src.replace("@P1", "")  # every placeholder filled
+    assert "m64n64k16" in src and "m64n256k16" in src
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="fmt must be"):
+        gluon_wq_tma.qdq_block_asm("e2m1", "rceil")
+    with pytest.raises(ValueError, match="tokens must be"):
+        cuda_wq_cluster.kernel_source("e4m3", "rceil", 3, False, 288, True)
+    x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_wq_cluster.cuda_grouped_mm_wq_fwd(x, w, offs, stages=4, tokens=320)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cuda_wq_cluster.cuda_grouped_mm_wq_fwd(x.float(), w, offs)
