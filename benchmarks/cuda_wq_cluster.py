@@ -14,7 +14,7 @@ per CTA and step). Triton 3.6's Gluon has no multicast, so this is CUDA (NVRTC, 
 Per cluster: one expert, one chunk of at most ``tokens`` (320) token rows (the wgmma N
 side: an m64n256 accumulator, and an m64n64 one for rows 256..319 when the chunk is longer
 than 256) and 2 x 128 weight rows (the M side; CTA rank r takes rows n0 + 128 r). Each
-expert's tokens are cut into ceil(S / 320) near-equal chunks (:func:`chunk_table`), so the
+expert's tokens are cut into ceil(S / 320) near-equal chunks (``gluon_wq_tma.tile_table``), so the
 issue's 205-307 tokens per expert take one chunk each instead of 256 + a nearly empty
 tile. Each CTA loads its own raw weight tile (128 x 64 per step, TMA) and half of the token
 tile, multicast to both CTAs. 384 threads: warpgroups 0 and 1 consume (64 weight rows each:
@@ -41,7 +41,7 @@ import re
 import torch
 from torch import Tensor
 
-from gluon_wq_tma import qdq_block_asm
+from gluon_wq_tma import qdq_block_asm, tile_table
 
 BLOCK_W, BLOCK_K = 128, 64  # per CTA: weight rows, k per step
 THREADS = 384
@@ -327,39 +327,6 @@ def smem_bytes(stages: int, tokens: int) -> int:
     return 1024 + stages * (tokens * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages
 
 
-def chunk_table(offsets: Tensor, T: int, N: int, cap: int, order: str = "weight"
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The clusters of a static grid, one entry each: (expert or -1, first token row, end row
-    of the chunk, first weight row n0 of the cluster's 256), int32, on the device without a
-    host sync. Each expert's S tokens are cut into ceil(S / cap) chunks of near-equal length
-    (at most cap): 300 tokens make one chunk of 300 at cap 320, two of 256 and 44 at cap
-    256. ``order`` as :func:`gluon_wq_tma.program_table`."""
-    if order not in ("weight", "token"):
-        raise ValueError(f"order must be 'weight' or 'token', got {order!r}")
-    E = offsets.numel()
-    pairs = -(-N // 256)
-    ends = torch.cummax(offsets.to(torch.int64).clamp(min=0, max=T), 0).values
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    size = ends - starts
-    nch = (size + cap - 1) // cap
-    clen = (size + nch.clamp(min=1) - 1) // nch.clamp(min=1)
-    cum = (nch * pairs).cumsum(0)
-    p = torch.arange((T // cap + E) * pairs, device=offsets.device)
-    e = torch.searchsorted(cum, p, right=True)
-    valid = e < E
-    ec = e.clamp(max=E - 1)
-    local = p - (cum[ec] - nch[ec] * pairs)
-    n = nch[ec].clamp(min=1)
-    if order == "weight":
-        ct, ch = local // n, local % n
-    else:
-        ch, ct = local // pairs, local % pairs
-    row0 = starts[ec] + ch * clen[ec]
-    row1 = torch.minimum(row0 + clen[ec], ends[ec])
-    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), row1.to(torch.int32),
-            (ct * 256).to(torch.int32))
-
-
 class _TmaDesc(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 16)]
     _align_ = 64
@@ -410,7 +377,7 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
     if T == 0 or N == 0 or E == 0 or K == 0:
         return out.zero_()
-    pe, pr0, pr1, pn0 = chunk_table(offsets, T, N, tokens, order)
+    pe, pr0, pr1, pn0 = tile_table(offsets, T, N, tokens, 256, order, equal=True)
     kern = _kernel(fmt, mode, stages, direct, tokens, epi)
     xd, xd256, wd = tma_desc(xq, tokens // 2), tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]

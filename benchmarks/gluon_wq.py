@@ -62,6 +62,18 @@ if gluon is not None:
         return _g_dequantized(r, e_x, nf_x)
 
     @gluon.jit
+    def _store_tile_t(acc, out_ptr, n0, row0, row1, N, BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr,
+                      num_warps: gl.constexpr):
+        """Store acc (BLOCK_W weight rows, BLOCK_T tokens; float32) transposed as bf16 into
+        out[t, n] for t in [row0, row1), n in [n0, N): n fastest in memory."""
+        ol: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+        o = gl.convert_layout(acc.to(gl.bfloat16), ol)
+        on = n0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, ol))
+        ot = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ol))
+        o_ptrs = out_ptr + gl.expand_dims(ot.to(gl.int64) * N, 0) + gl.expand_dims(on, 1)
+        gl.store(o_ptrs, o, mask=gl.expand_dims(on < N, 1) & gl.expand_dims(ot < row1, 0))
+
+    @gluon.jit
     def _wq_fwd_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, K, col_tiles,
                        BLOCK_W: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        ELEM: gl.constexpr, MODE: gl.constexpr, W_ASYNC: gl.constexpr, QUANT: gl.constexpr,
@@ -141,15 +153,9 @@ if gluon is not None:
                                         is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # out[t, n] for t in [row0, row1), n in [n0, N): n fastest in memory
-            ol: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
-            o = gl.convert_layout(acc.to(gl.bfloat16), ol)
-            on = n0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, ol))
-            ot = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ol))
-            o_ptrs = out_ptr + gl.expand_dims(ot.to(gl.int64) * N, 0) + gl.expand_dims(on, 1)
-            gl.store(o_ptrs, o, mask=gl.expand_dims(on < N, 1) & gl.expand_dims(ot < row1, 0))
+            _store_tile_t(acc, out_ptr, n0, row0, row1, N, BLOCK_W, BLOCK_T, num_warps)
 else:  # pragma: no cover
-    _wq_fwd_kernel = None
+    _store_tile_t = _wq_fwd_kernel = None
 
 
 def row_tile_table(offsets: Tensor, T: int, block_t: int) -> tuple[Tensor, Tensor, Tensor]:

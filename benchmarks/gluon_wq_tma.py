@@ -44,6 +44,8 @@ try:  # Gluon (Triton >= 3.5); the module imports without it, the kernel then is
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from gluon_wq import _store_tile_t
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
@@ -162,47 +164,50 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             for p in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(p))
-            # out[t, n] for t in [row0, row1), n in [n0, min(n0 + BLOCK_W, N)): n fastest in memory
-            ol: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
-            o = gl.convert_layout(acc.to(gl.bfloat16), ol)
-            on = n0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, ol))
-            ot = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, ol))
-            o_ptrs = out_ptr + gl.expand_dims(ot.to(gl.int64) * N, 0) + gl.expand_dims(on, 1)
-            gl.store(o_ptrs, o, mask=gl.expand_dims(on < N, 1) & gl.expand_dims(ot < row1, 0))
+            _store_tile_t(acc, out_ptr, n0, row0, row1, N, BLOCK_W, BLOCK_T, num_warps)
 else:  # pragma: no cover
     _wq_tma_fwd_kernel = None
 
 
-def program_table(offsets: Tensor, T: int, N: int, block_t: int, block_w: int, order: str = "weight"
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One entry per program of a static grid of (T // block_t + E) * cdiv(N, block_w):
-    (expert or -1, first token row, end row of the expert, first weight row n0), int32, on
-    the device without a host sync. The programs of one expert are consecutive; within it,
-    ``order="weight"`` puts all token tiles of a weight tile in a row (the weight tile is
-    read once), ``order="token"`` all weight tiles of a token tile."""
+def tile_table(offsets: Tensor, T: int, N: int, rows: int, cols: int, order: str = "weight", equal: bool = False
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One entry per program of a static grid of (T // rows + E) * cdiv(N, cols): (expert or
+    -1, first token row, end row of its tile, first weight row n0), int32, computed on the
+    device without a host sync. Each expert's S tokens are cut into tiles of ``rows``
+    (``equal=False``; the last one shorter) or into ceil(S / rows) near-equal chunks of at
+    most ``rows`` (``equal=True``: 300 tokens at rows = 320 make one chunk, at 256 two of
+    150). The programs of one expert are consecutive; within it, ``order="weight"`` puts all
+    token tiles of a weight tile in a row (the weight tile is read once), ``order="token"``
+    all weight tiles of a token tile. Offsets are clamped into [0, T] and made
+    non-decreasing. Every token row of every expert is in exactly one tile per weight tile.
+
+    Raises:
+        ValueError: ``order`` not "weight" or "token".
+    """
     if order not in ("weight", "token"):
         raise ValueError(f"order must be 'weight' or 'token', got {order!r}")
     E = offsets.numel()
-    dev = offsets.device
-    col_tiles = triton.cdiv(N, block_w)
-    ends = offsets.to(torch.int64).clamp(min=0, max=T)
-    ends = torch.cummax(ends, 0).values
+    col_tiles = triton.cdiv(N, cols)
+    ends = torch.cummax(offsets.to(torch.int64).clamp(min=0, max=T), 0).values
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + block_t - 1) // block_t
+    size = ends - starts
+    tiles = (size + rows - 1) // rows
+    length = (size + tiles.clamp(min=1) - 1) // tiles.clamp(min=1) if equal else torch.full_like(size, rows)
     cum = (tiles * col_tiles).cumsum(0)
-    p = torch.arange((T // block_t + E) * col_tiles, device=dev)
+    p = torch.arange((T // rows + E) * col_tiles, device=offsets.device)
     e = torch.searchsorted(cum, p, right=True)
     valid = e < E
     ec = e.clamp(max=E - 1)
     local = p - (cum[ec] - tiles[ec] * col_tiles)
-    nt = tiles[ec].clamp(min=1)
     if order == "weight":
+        nt = tiles[ec].clamp(min=1)
         ct, rt = local // nt, local % nt
     else:
         rt, ct = local // col_tiles, local % col_tiles
-    row0 = starts[ec] + rt * block_t
-    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), ends[ec].to(torch.int32),
-            (ct * block_w).to(torch.int32))
+    row0 = starts[ec] + rt * length[ec]
+    row1 = torch.minimum(row0 + length[ec], ends[ec])
+    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), row1.to(torch.int32),
+            (ct * cols).to(torch.int32))
 
 
 def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
@@ -238,7 +243,7 @@ def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: 
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
     if T == 0 or N == 0 or E == 0:
         return out.zero_()
-    pe, pr0, pr1, pn0 = program_table(offsets, T, N, block_t, block_w, order)
+    pe, pr0, pr1, pn0 = tile_table(offsets, T, N, block_t, block_w, order)
     x_sl = gl.NVMMASharedLayout.get_default_for([block_t, block_k], gl.bfloat16)
     w_sl = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.bfloat16)
     x_desc = TensorDescriptor.from_tensor(xq, [block_t, block_k], x_sl)

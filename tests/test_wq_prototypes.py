@@ -36,57 +36,41 @@ def _coverage(T, N, rows, width):
 
 
 @pytest.mark.parametrize("sizes", GROUPS)
+@pytest.mark.parametrize("rows, cols, equal", [(256, 128, False), (128, 128, False), (256, 256, True),
+                                               (320, 256, True)])
 @pytest.mark.parametrize("order", ["weight", "token"])
-def test_program_table_covers_each_row_once(sizes, order):
+def test_tile_table_covers_each_row_once(sizes, rows, cols, equal, order):
     T = sum(sizes) + 7  # rows past the last offset exist and stay uncovered
-    N, block_t, block_w = 300, 256, 128
+    N = 600  # the last weight tile partly past N
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    e, r0, r1, n0 = gluon_wq_tma.program_table(offs, T, N, block_t, block_w, order)
-    assert e.numel() == (T // block_t + len(sizes)) * -(-N // block_w)
-    ends = offs.tolist()
-    for i in range(e.numel()):
-        if int(e[i]) >= 0:  # a tile never straddles two experts; r1 is its expert's end
-            assert int(r1[i]) == ends[int(e[i])] and int(r0[i]) < int(r1[i])
-    cov = _coverage(T, N + block_w, (e, r0, torch.minimum(r0 + block_t, r1), n0), block_w)[:, :N]
-    end = sum(sizes)
-    assert bool((cov[:end] == 1).all()) and bool((cov[end:] == 0).all())
-
-
-@pytest.mark.parametrize("sizes", GROUPS)
-@pytest.mark.parametrize("cap", [256, 320])
-@pytest.mark.parametrize("order", ["weight", "token"])
-def test_chunk_table_covers_each_row_once(sizes, cap, order):
-    T = sum(sizes) + 3
-    N = 600  # three 256-row cluster pairs, the last one partly past N
-    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    e, r0, r1, n0 = cuda_wq_cluster.chunk_table(offs, T, N, cap, order)
-    assert e.numel() == (T // cap + len(sizes)) * -(-N // 256)
+    e, r0, r1, n0 = gluon_wq_tma.tile_table(offs, T, N, rows, cols, order, equal)
+    assert e.numel() == (T // rows + len(sizes)) * -(-N // cols)
     starts = [0] + offs.tolist()[:-1]
     ends = offs.tolist()
     for i in range(e.numel()):
         if int(e[i]) >= 0:
             k = int(e[i])
-            assert starts[k] <= int(r0[i]) < int(r1[i]) <= ends[k], "a chunk leaves its expert"
-            assert int(r1[i]) - int(r0[i]) <= cap
-    cov = _coverage(T, N + 256, (e, r0, r1, n0), 256)[:, :N]
+            assert starts[k] <= int(r0[i]) < int(r1[i]) <= ends[k], "a tile leaves its expert"
+            assert int(r1[i]) - int(r0[i]) <= rows
+    cov = _coverage(T, N + cols, (e, r0, r1, n0), cols)[:, :N]
     end = sum(sizes)
     assert bool((cov[:end] == 1).all()) and bool((cov[end:] == 0).all())
 
 
 def test_chunks_are_near_equal():
-    # 300 tokens: one chunk at cap 320 (not 256 + 44); 641: three of 214 / 214 / 213
+    # 300 tokens: one chunk at 320 (not 256 + 44); 641: three of 214 / 214 / 213
     offs = torch.tensor([300, 941], dtype=torch.int32)
-    e, r0, r1, _ = cuda_wq_cluster.chunk_table(offs, 941, 256, 320)
+    e, r0, r1, _ = gluon_wq_tma.tile_table(offs, 941, 256, 320, 256, equal=True)
     lens = sorted((int(b) - int(a)) for k, a, b in zip(e, r0, r1) if int(k) >= 0)
     assert lens == [213, 214, 214, 300]
+    e, r0, r1, _ = gluon_wq_tma.tile_table(offs, 941, 256, 256, 256)  # fixed tiles: 256 + 44, 256 + 256 + 129
+    lens = sorted((int(b) - int(a)) for k, a, b in zip(e, r0, r1) if int(k) >= 0)
+    assert lens == [44, 129, 256, 256, 256]
 
 
-def test_schedules_refuse_an_unknown_order():
-    offs = torch.tensor([4], dtype=torch.int32)
+def test_tile_table_refuses_an_unknown_order():
     with pytest.raises(ValueError, match="order"):
-        gluon_wq_tma.program_table(offs, 4, 8, 256, 128, "rows")
-    with pytest.raises(ValueError, match="order"):
-        cuda_wq_cluster.chunk_table(offs, 4, 8, 320, "rows")
+        gluon_wq_tma.tile_table(torch.tensor([4], dtype=torch.int32), 4, 8, 256, 128, "rows")
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
