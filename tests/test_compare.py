@@ -96,6 +96,7 @@ def test_report_says_which_targets_are_missed_and_by_how_much(tmp_path):
     assert (tmp_path / "metrics-mxfp8.jsonl").read_bytes() == (tmp_path / "mxfp8" / "metrics.jsonl").read_bytes()
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "peak resident set size" in text and "max_memory_allocated" not in text
+    assert "quantized recipes are emulated" in text  # the CPU speed ratio is not about MXFP8 hardware
 
 
 def test_report_targets_met_and_equal_memory_is_a_miss(tmp_path):
@@ -411,3 +412,11 @@ def test_reuse_of_cpu_runs_ignores_gpu_only_settings(tmp_path):
     config["train"]["cuda_graph"] = False
     (d / "config.json").write_text(json.dumps(config))
     assert "differ in settings" not in build_report(tmp_path / "mixed").read_text()
+
+
+def test_report_says_the_cpu_speed_ratio_is_an_emulation_only_on_the_cpu(tmp_path):
+    for recipe in ("bf16", "mxfp8"):
+        fake_run(tmp_path / "gpu", recipe, val=2.0, ms=10.0, mem=1.0, device="cuda:0", device_name="NVIDIA H200")
+        fake_run(tmp_path / "cpu", recipe, val=2.0, ms=10.0, mem=1.0)
+    assert "emulated" not in build_report(tmp_path / "gpu").read_text()
+    assert "quantized recipes are emulated" in build_report(tmp_path / "cpu").read_text()

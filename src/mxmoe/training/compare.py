@@ -497,6 +497,12 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
         lines.append(f"{len(checks) - len(missed)} of {len(checks)} targets met"
                      + (f"; missed: " + "; ".join(f"{c.recipe} {c.target}: {c.verdict}" for c in missed) + "."
                         if missed else "."))
+        if on_cpu:
+            lines.append("")
+            lines.append("On the CPU the quantized recipes are emulated (quantize-dequantize passes, then bf16 "
+                         "GEMMs), so the tokens/s target measures the emulation's overhead, not MXFP8 hardware; on "
+                         "a CPU without fast bf16 matrix products (AVX512-BF16 or AMX) the GEMMs of every recipe "
+                         "take a slow path and the speed ratio says little at all.")
     if unfinished:
         lines += ["", "Not compared (unfinished): " + ", ".join(
             f"{r.recipe} (step {r.last_step} of {r.steps}, in {r.run_dir})" for r in unfinished) + "."]
