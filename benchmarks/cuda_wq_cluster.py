@@ -41,7 +41,7 @@ import re
 import torch
 from torch import Tensor
 
-from gluon_wq_tma import qdq_block_asm, tile_table
+from gluon_wq_tma import check_wq_args, qdq_block_asm, tile_table
 
 BLOCK_W, BLOCK_K = 128, 64  # per CTA: weight rows, k per step
 THREADS = 384
@@ -327,27 +327,34 @@ def smem_bytes(stages: int, tokens: int) -> int:
     return 1024 + stages * (tokens * 128 + 128 * 128) + 2 * 128 * 128 + 16 * stages
 
 
-class _TmaDesc(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 16)]
-    _align_ = 64
-
-
-def tma_desc(t: Tensor, box_rows: int) -> _TmaDesc:
+def tma_desc(t: Tensor, box_rows: int) -> ctypes.Array:
     """A 2-D TMA descriptor of a row-major bf16 (rows, K) tensor: boxes of box_rows x 64,
-    128-byte swizzle, zero fill out of bounds (cuTensorMapEncodeTiled)."""
+    128-byte swizzle, zero fill out of bounds (cuTensorMapEncodeTiled). The 128 bytes sit at
+    a 64-byte aligned address inside the returned buffer (the driver asks for it; ctypes
+    ignores ``_align_`` before Python 3.13): pass :func:`_aligned` of it.
+
+    Raises:
+        RuntimeError: the driver refuses the descriptor (its CUresult in the message).
+    """
     lib = torch.cuda._utils._get_gpu_runtime_library()
     rows, K = t.shape
-    desc = _TmaDesc()
+    buf = ctypes.create_string_buffer(128 + 64)
     dims = (ctypes.c_uint64 * 2)(K, rows)
     strides = (ctypes.c_uint64 * 1)(K * 2)
     box = (ctypes.c_uint32 * 2)(64, box_rows)
     estr = (ctypes.c_uint32 * 2)(1, 1)
     # data type 9 = BFLOAT16, interleave 0 = none, swizzle 3 = 128B, L2 promotion 3 = 256B, fill 0 = zeros
-    res = lib.cuTensorMapEncodeTiled(ctypes.byref(desc), 9, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+    res = lib.cuTensorMapEncodeTiled(_aligned(buf), 9, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
                                      estr, 0, 3, 3, 0)
     if res != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} for shape {tuple(t.shape)}")
-    return desc
+    return buf
+
+
+def _aligned(buf: ctypes.Array) -> ctypes.c_void_p:
+    """The first 64-byte aligned address inside ``buf`` (which has 64 bytes to spare)."""
+    addr = ctypes.addressof(buf)
+    return ctypes.c_void_p((addr + 63) & ~63)
 
 
 def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
@@ -359,15 +366,16 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     rows per cluster (256 or 320; at 320 only 3 stages fit in shared memory).
 
     Raises:
-        ValueError/TypeError: as the checks say.
+        TypeError, ValueError: as ``gluon_wq_tma.check_wq_args`` says; tokens not 256 or 320;
+            stages and tokens that need more than sm90's shared memory.
+        RuntimeError: the driver refuses the TMA descriptors or the launch.
     """
     from mxmoe.ops.gemm import zero_rows_past_end
 
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
-    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2] or xq.shape[1] % 8:
-        raise ValueError(f"expected xq (T, K) and w (E, N, K), K a multiple of 8, got {tuple(xq.shape)}, {tuple(w.shape)}")
+    if tokens not in (256, 320):
+        raise ValueError(f"tokens must be 256 or 320, got {tokens!r}")
+    check_wq_args(xq, w, offsets, stages, "design (f)")
     if smem_bytes(stages, tokens) > 232448:
         raise ValueError(f"stages={stages} with tokens={tokens} needs {smem_bytes(stages, tokens)} bytes of shared "
                          f"memory, more than the 232448 of sm90; use fewer stages")
@@ -382,8 +390,9 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     xd, xd256, wd = tma_desc(xq, tokens // 2), tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
-    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p)
-                                      for a in [xd, xd256, wd, *ptrs, *ints]])
+    descs = [_aligned(d) for d in (xd, xd256, wd)]  # kernel parameters by value: pointers to their bytes
+    params = (ctypes.c_void_p * 10)(*[d.value for d in descs],
+                                    *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [*ptrs, *ints]])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages, tokens), stream,

@@ -44,10 +44,10 @@ try:  # Gluon (Triton >= 3.5); the module imports without it, the kernel then is
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from gluon_wq import _store_tile_t
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
+
+from gluon_wq import _store_tile_t  # noqa: E402 - None without Gluon, like the kernels here
 
 
 def _f32_hex(v: float) -> str:
@@ -210,6 +210,32 @@ def tile_table(offsets: Tensor, T: int, N: int, rows: int, cols: int, order: str
             (ct * cols).to(torch.int32))
 
 
+def check_wq_args(xq: Tensor, w: Tensor, offsets: Tensor, stages: int, name: str) -> None:
+    """The argument checks of designs (e) and (f), as :func:`mxmoe.mx_grouped_mm` makes them.
+
+    Raises:
+        TypeError: xq or w not bfloat16, offsets not int32/int64.
+        ValueError: shapes (xq (T, K), w (E, N, K), offsets (E,), K a multiple of 8 for the
+            TMA row pitch), tensors not all on one CUDA device, stages < 2.
+    """
+    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2]:
+        raise ValueError(f"expected xq (T, K) and w (E, N, K), got {tuple(xq.shape)} and {tuple(w.shape)}")
+    if offsets.shape != (w.shape[0],):
+        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
+    if xq.shape[1] % 8:
+        raise ValueError(f"{name} needs K a multiple of 8 (TMA's 16-byte row pitch), got K={xq.shape[1]}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"stages must be an int >= 2 (the ring refills one stage while it reads another), "
+                         f"got {stages!r}")
+    if not (xq.device == w.device == offsets.device) or xq.device.type != "cuda":
+        raise ValueError(f"{name} runs on one CUDA (sm90) device, got xq on {xq.device}, w on {w.device}, "
+                         f"offsets on {offsets.device}")
+
+
 def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                                 block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 3,
                                 num_warps: int = 8, order: str = "weight", quantize: bool = True,
@@ -229,14 +255,7 @@ def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: 
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
     if _wq_tma_fwd_kernel is None:
         raise RuntimeError(f"design (e) needs Triton's Gluon dialect (Triton >= 3.5), found {triton.__version__}")
-    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2]:
-        raise ValueError(f"expected xq (T, K) and w (E, N, K), got {tuple(xq.shape)} and {tuple(w.shape)}")
-    if not xq.is_cuda:
-        raise ValueError("design (e) runs on CUDA (sm90) only")
-    if xq.shape[1] % 8:
-        raise ValueError(f"design (e) needs K a multiple of 8 (TMA row pitch), got K={xq.shape[1]}")
+    check_wq_args(xq, w, offsets, stages, "design (e)")
     xq, w = xq.contiguous(), w.contiguous()
     T, K = xq.shape
     E, N, _ = w.shape

@@ -8,8 +8,11 @@ Checks (each prints ok or FAIL):
   lost, -0 + 0 = +0); weights with blocks of every binade (float32 subnormal scales, bf16
   subnormal elements, ties, saturation), compared with the quantize pass
   (``fake_quantize``); rows holding an inf or NaN block must be NaN, the others finite;
-- the grouped output against design (a) (the same dequantized operands) at ragged groups
-  with empty experts, N = 33 and K = 1408 / 2880, zeros past the last offset, T = 0;
+- the grouped output against design (a) (the same dequantized operands) bit for bit, at
+  ragged groups with empty experts, N = 33 and 264, K = 1408 / 2880 / 40 / 1416 (not all
+  multiples of 64: TMA's zero fill pads the last block), zeros past the last offset, T = 0;
+  and at every setting of the sweep and every timed shape (a setting that is not exact is
+  a failure and never the one the shapes are timed with);
 - floor and rceil scales, e4m3 and e5m2.
 Timing (CUDA-graph replay, median): at (16384, 2048, 1408, 64), with the issue's routing
 and with 256 tokens per expert, a sweep of settings, each also as a plain bf16 GEMM on the
@@ -119,7 +122,8 @@ def main() -> int:
                    f"(differing values {int((o != r).sum())}; rows with a non-finite block NaN, the rest finite: {nan_ok})")
     # ---- grouped output against design (a) ----
     for (T, K, N, sizes) in [(4000, 1408, 33, [162, 0, 2577, 446, 0, 83]), (3000, 2880, 256, [3000]),
-                             (5000, 2048, 200, [0] * 30 + [1200, 33, 0, 64]), (1000, 1408, 128, [0, 0, 0])]:
+                             (5000, 2048, 200, [0] * 30 + [1200, 33, 0, 64]), (1000, 1408, 128, [0, 0, 0]),
+                             (700, 40, 96, [300, 0, 350]), (2000, 1416, 264, [257, 1000, 700])]:  # K % 64 != 0
         x = torch.randn(T, K, device="cuda", dtype=bf)
         w = (torch.randn(len(sizes), N, K, device="cuda") * 0.02).to(bf)
         offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
@@ -128,8 +132,8 @@ def main() -> int:
         out = efwd(xq, w, offs)
         rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
         end = int(offs[-1])
-        report(f"grouped vs (a) T={T} K={K} N={N} groups={len(sizes)}",
-               rel < 1e-2 and bool((out[end:] == 0).all()), f"max rel diff {rel:.2e}, bit-equal {torch.equal(out, ref)}")
+        report(f"grouped vs (a) T={T} K={K} N={N} groups={len(sizes)} bit for bit",
+               torch.equal(out, ref) and bool((out[end:] == 0).all()), f"max rel diff {rel:.2e}")
     out = efwd(torch.empty(0, 64, device="cuda", dtype=bf), torch.randn(2, 8, 64, device="cuda", dtype=bf),
                torch.zeros(2, device="cuda", dtype=torch.int32))
     report("T = 0", out.shape == (0, 8))
@@ -161,16 +165,16 @@ def main() -> int:
             print(f"  {kw}: {json.dumps({k: round(v, 1) for k, v in us.items()})} x bf16 "
                   f"{t_bf * 1e6 / us['kernel']:.3f} bit-equal to (a) {eq}", flush=True)
             skeleton.setdefault(label, []).append({"setting": kw, "bf16_us": t_bf * 1e6, "us": us, "bit_equal_to_a": eq})
+            report(f"sweep {label} {kw} bit-equal to (a)", eq)
             if label == "issue routing" and eq and (best is None or us["kernel"] < best[0]):
                 best = (us["kernel"], kw)
-    if best is None:
-        print("no setting bit-equal to (a)")
-        return 1
-    kw = best[1]
+    kw = best[1] if best is not None else None
     print("best:", kw, flush=True)
     del x, w, xq, ref
     rows = []
     for (T, K, N, E), skewed in [(s, False) for s in SHAPES] + [(SKEWED, True)]:
+        if kw is None:  # no setting was exact: nothing to time
+            break
         if time.time() - t0 > args.budget:
             print(f"budget spent, skipped {(T, K, N, E)}")
             continue
@@ -188,6 +192,7 @@ def main() -> int:
             if order != kw["order"]:
                 t[f"({d}) kernel, order {order}"] = bench(lambda: efwd(xq, w, offs, **{**kw, "order": order}), graph=True)
         eq = torch.equal(efwd(xq, w, offs, **kw), grouped_mm_nt(xq, fq(w, 2), offs))
+        report(f"({d}) bit-equal to (a) at T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}", eq)
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
         print(f"\n{name}: ({d}) bit-equal to (a): {eq}")
         flop = 2.0 * T * K * N

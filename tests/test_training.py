@@ -162,17 +162,18 @@ def _train_until(cfg: TrainConfig, stop_after: int) -> None:
 def test_resume_refuses_other_settings(tmp_path, text_file):
     out = tmp_path / "run"
     train(tiny_config(out, text_file, steps=3))
-    with pytest.raises(ValueError, match="differ from the checkpoint's: recipe: checkpoint 'mxfp8', now 'bf16'; use"):
+    with pytest.raises(ValueError, match="differ from the checkpoint's: recipe \\(--recipe\\): checkpoint 'mxfp8', "
+                                         "now 'bf16'; use"):
         train(tiny_config(out, text_file, steps=3, recipe="bf16"), resume=True)
     # every differing setting with both values, the model's by their own keys
     model = dataclasses.replace(tiny_config(out, text_file).model, n_layers=3)
     with pytest.raises(ValueError) as info:
-        train(tiny_config(out, text_file, steps=3, lr=0.002, model=model), resume=True)
+        train(tiny_config(out, text_file, steps=5, lr=0.002, model=model), resume=True)
     msg = str(info.value)
     saved_lr = tiny_config(out, text_file).lr
-    assert f"lr: checkpoint {saved_lr!r}, now 0.002" in msg
-    assert "model.n_layers: checkpoint 2, now 3" in msg
-    assert "recipe" not in msg and "steps" not in msg
+    assert f"lr (--lr): checkpoint {saved_lr!r}, now 0.002" in msg
+    assert "model.n_layers (--layers): checkpoint 2, now 3" in msg
+    assert "recipe" not in msg and "steps" not in msg  # steps may change on resume (RESUME_MAY_CHANGE)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(tiny_config(tmp_path / "empty", text_file), resume=True)
 

@@ -24,6 +24,24 @@ cuda_wq_cluster = pytest.importorskip("cuda_wq_cluster")
 GROUPS = [[162, 0, 2577, 446, 0, 83], [0, 0, 0], [300, 513], [256] * 4, [257, 320, 321, 640, 1, 0], [1000], [5]]
 
 
+@pytest.mark.parametrize("cum, T", [([5, 2, 12], 12), ([300, 900, 2000], 1000), ([-4, 40, 30, 50], 60)])
+def test_tile_table_clamps_and_orders_offsets(cum, T):
+    """Offsets past T are clamped to T and a decreasing one counts as an empty expert: the
+    kernels never read or write outside [0, T)."""
+    offs = torch.tensor(cum, dtype=torch.int32)
+    ends = torch.cummax(offs.to(torch.int64).clamp(0, T), 0).values.tolist()
+    starts = [0] + ends[:-1]
+    for equal in (False, True):
+        e, r0, r1, n0 = gluon_wq_tma.tile_table(offs, T, 64, 256, 64, equal=equal)
+        cov = _coverage(T, 128, (e, r0, r1, n0), 64)[:, :64]
+        want = torch.zeros(T, dtype=torch.int32)
+        want[:ends[-1]] = 1
+        assert torch.equal(cov[:, 0], want)
+        for i in range(e.numel()):
+            if int(e[i]) >= 0:
+                assert starts[int(e[i])] <= int(r0[i]) < int(r1[i]) <= ends[int(e[i])]
+
+
 def _coverage(T, N, rows, width):
     e, r0, r1, n0 = rows
     cov = torch.zeros(T, N, dtype=torch.int32)
@@ -93,7 +111,21 @@ def test_bad_arguments_are_refused():
         cuda_wq_cluster.kernel_source("e4m3", "rceil", 3, False, 288, True)
     x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 64, dtype=torch.bfloat16)
     offs = torch.tensor([4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="shared memory"):
-        cuda_wq_cluster.cuda_grouped_mm_wq_fwd(x, w, offs, stages=4, tokens=320)
+    f = cuda_wq_cluster.cuda_grouped_mm_wq_fwd
     with pytest.raises(TypeError, match="bfloat16"):
-        cuda_wq_cluster.cuda_grouped_mm_wq_fwd(x.float(), w, offs)
+        f(x.float(), w, offs)
+    with pytest.raises(TypeError, match="int32"):
+        f(x, w, offs.float())
+    with pytest.raises(ValueError, match="shape \\(E,\\)"):
+        f(x, w, torch.tensor([2, 4], dtype=torch.int32))  # more offsets than experts
+    with pytest.raises(ValueError, match="multiple of 8"):
+        f(x[:, :60], w[:, :, :60], offs)
+    with pytest.raises(ValueError, match="CUDA"):  # CPU tensors: the kernels would read host pointers
+        f(x, w, offs)
+    for stages in (1, 0, True, 2.0):  # the ring needs two stages; 1 would deadlock, 0 divide by zero
+        with pytest.raises(ValueError, match="stages must be"):
+            f(x, w, offs, stages=stages)
+        with pytest.raises(ValueError, match="stages must be"):  # design (e)'s checks are the same function
+            gluon_wq_tma.check_wq_args(x, w, offs, stages, "design (e)")
+    with pytest.raises(ValueError, match="tokens must be"):
+        f(x, w, offs, tokens=300)

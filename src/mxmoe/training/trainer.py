@@ -251,17 +251,42 @@ def holds_run(out: Path) -> bool:
     return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists()
 
 
+_MISSING = object()
+
+# the `mxmoe train` flag of each model setting (the top-level settings are --<key with dashes>)
+_MODEL_FLAGS = {"vocab_size": "--vocab-size", "d_model": "--width", "n_layers": "--layers", "n_heads": "--heads",
+                "n_experts": "--experts", "top_k": "--top-k", "d_expert": "--expert-width",
+                "moe_every": "--moe-every", "d_ff_dense": "--dense-width", "shared_expert": "--shared-expert",
+                "max_seq_len": "--seq-len", "aux_loss_coef": "--aux-loss-coef", "z_loss_coef": "--z-loss-coef",
+                "quantized": "--quantize", "dtype": "--dtype", "mx_dispatch": "--mx-dispatch"}
+
+
 def _settings_diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(key, saved value, new value) of every setting that differs between two config dicts;
-    a nested dict (the model's) is compared key by key, its keys named ``<key>.<subkey>`` (``model.layers``)."""
+    a nested dict (the model's) is compared key by key, its keys named ``<key>.<subkey>``
+    (``model.n_layers``). A key on one side only differs (its missing value is shown as
+    ``None``)."""
     diff = []
     for k in list(now) + [k for k in saved if k not in now]:
-        a, b = saved.get(k), now.get(k)
+        a, b = saved.get(k, _MISSING), now.get(k, _MISSING)
         if isinstance(a, dict) and isinstance(b, dict):
             diff += _settings_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            diff.append((f"{prefix}{k}", a, b))
+        elif a is _MISSING or b is _MISSING or a != b:
+            diff.append((f"{prefix}{k}", None if a is _MISSING else a, None if b is _MISSING else b))
     return diff
+
+
+_NO_FLAG = ("beta1", "beta2")  # settings of the API only
+
+
+def _setting_name(key: str) -> str:
+    """``key`` with its `mxmoe train` flag, e.g. ``model.d_model (--width)``."""
+    model_key = key.removeprefix("model.")
+    if model_key != key:
+        flag = _MODEL_FLAGS.get(model_key)
+    else:
+        flag = None if key in _NO_FLAG else "--" + key.replace("_", "-")
+    return f"{key} ({flag})" if flag else key
 
 
 def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
@@ -301,7 +326,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None,
                       if k not in RESUME_MAY_CHANGE]
         if mismatched:
             raise ValueError("--resume with settings that differ from the checkpoint's: "
-                             + "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in mismatched)
+                             + "; ".join(f"{_setting_name(k)}: checkpoint {a!r}, now {b!r}"
+                                         for k, a, b in mismatched)
                              + "; use the original settings or a new --out-dir")
         if checkpoint["step"] >= cfg.steps:
             raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
