@@ -25,7 +25,9 @@ loads into a ring of STAGES; setmaxnreg moves registers from it to the consumers
 it ptxas serialized the wgmmas). Stage release goes to the empty barriers of both CTAs (a
 stage is refilled by both producers). The output leaves through shared memory in 16-byte
 row pieces (``epi``). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM
-on this skeleton, a timing reference).
+on this skeleton, a timing reference). ``persistent=True`` runs the second kernel of the
+source, in which each cluster walks the table and the ring runs on across tiles: exact, and
+2-5% slower on the H200 (results/h200_design_e/persistent_6ef8133.json).
 
 Run only on the H200: benchmarks/wq_kernels_bench.py --design f checks it against design
 (a) and times it (results/h200_design_e/). Compiled at first use by
