@@ -25,9 +25,9 @@ loads into a ring of STAGES; setmaxnreg moves registers from it to the consumers
 it ptxas serialized the wgmmas). Stage release goes to the empty barriers of both CTAs (a
 stage is refilled by both producers). The output leaves through shared memory in 16-byte
 row pieces (``epi``). ``direct=True`` feeds the raw weight tile to the wgmma (a bf16 GEMM
-on this skeleton, a timing reference). ``persistent=True`` runs the second kernel of the
-source, in which each cluster walks the table and the ring runs on across tiles: exact, and
-2-5% slower on the H200 (results/h200_design_e/persistent_6ef8133.json).
+on this skeleton, a timing reference). A persistent variant (each cluster walks the table,
+the ring runs on across tiles; commit 6ef8133) was exact and 2-5% slower on the H200
+(results/h200_design_e/persistent_6ef8133.json) and is not kept.
 
 Run only on the H200: benchmarks/wq_kernels_bench.py --design f checks it against design
 (a) and times it (results/h200_design_e/). Compiled at first use by
@@ -306,169 +306,6 @@ wq_cluster_fwd(const __grid_constant__ TmaDesc xmap, const __grid_constant__ Tma
     }
     cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
-
-// The same work, persistent: cluster c of G takes entries c, c + G, ... of the table (the valid
-// entries come first); the ring and its phases run on across tiles, so the next tile's loads
-// overlap this tile's last MMAs and its output stores. Output by 2-byte stores from the
-// accumulator fragment (the ring that the staged output would use is busy).
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
-wq_cluster_fwd_persistent(const __grid_constant__ TmaDesc xmap, const __grid_constant__ TmaDesc xmap256,
-                          const __grid_constant__ TmaDesc wmap, unsigned short* __restrict__ out,
-                          const int* __restrict__ prog_e, const int* __restrict__ prog_r0,
-                          const int* __restrict__ prog_r1, const int* __restrict__ prog_n0, int P, int N, int K) {
-    extern __shared__ unsigned char smem_raw[];
-    const int c = blockIdx.x >> 1, G = gridDim.x >> 1;
-    const u32 rank = cluster_rank();
-    const int n_k = (K + 63) / 64;
-    u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const u32 xs = base, ws = xs + STAGES * X_BYTES, qs = ws + STAGES * W_BYTES;
-    const u32 full = qs + 2 * W_BYTES, empty = full + 8 * STAGES;
-    const int tid = threadIdx.x;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(full + 8 * s, 1); mbar_init(empty + 8 * s, 4); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    cluster_sync();
-    const int wg = tid >> 7;
-    if (wg == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 256) {
-            u32 g = 0;
-            for (int p = c; p < P; p += G) {
-                const int e = prog_e[p];
-                if (e < 0) break;
-                const int row0 = prog_r0[p], row1 = prog_r1[p], n0 = prog_n0[p] + 128 * (int)rank;
-                const bool two = TOKS > 256 && row1 - row0 > 256;
-                const int w_row = e * N + n0, half = two ? TOKS / 2 : 128;
-                const TmaDesc* xm = two ? &xmap : &xmap256;
-                const u32 xbytes = 2 * half * 128;
-                for (int i = 0; i < n_k; ++i, ++g) {
-                    const u32 s = g % STAGES;
-                    mbar_wait(empty + 8 * s, ((g / STAGES) & 1) ^ 1);
-                    mbar_expect_tx(full + 8 * s, xbytes + W_BYTES);
-                    tma_load(ws + s * W_BYTES, &wmap, full + 8 * s, i * 64, w_row);
-                    tma_load_mc(xs + s * X_BYTES + rank * (half * 128), xm, full + 8 * s, i * 64,
-                                row0 + half * (int)rank, (u16)3);
-                }
-            }
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-        float acc[128];
-#pragma unroll
-        for (int j = 0; j < 128; ++j) acc[j] = 0.f;
-#if TOKS > 256
-        float acc1[32];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) acc1[j] = 0.f;
-#endif
-        const int t = tid & 127, warp = t >> 5, lane = t & 31;
-        const u32 r = 64 * wg + (t >> 1), kb = t & 1;
-        u32 g = 0;
-        for (int p = c; p < P; p += G) {
-            const int e = prog_e[p];
-            if (e < 0) break;
-            const int row0 = prog_r0[p], row1 = prog_r1[p], n0 = prog_n0[p] + 128 * (int)rank;
-            const bool two = TOKS > 256 && row1 - row0 > 256;
-            for (int i = 0; i < n_k; ++i, ++g) {
-                const u32 s = g % STAGES;
-                mbar_wait(full + 8 * s, (g / STAGES) & 1);
-                u32 a_tile;
-#if DIRECT
-                a_tile = ws + s * W_BYTES;
-#else
-                {
-                    u32 v[16], q[16];
-                    const u32 src = ws + s * W_BYTES;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(v[4 * j]), "=r"(v[4 * j + 1]), "=r"(v[4 * j + 2]), "=r"(v[4 * j + 3])
-                                     : "r"(src + swz(r, 4 * kb + j)));
-                    asm volatile("@QDQ@"
-                        : "=r"(q[0]), "=r"(q[1]), "=r"(q[2]), "=r"(q[3]), "=r"(q[4]), "=r"(q[5]), "=r"(q[6]), "=r"(q[7]),
-                          "=r"(q[8]), "=r"(q[9]), "=r"(q[10]), "=r"(q[11]), "=r"(q[12]), "=r"(q[13]), "=r"(q[14]), "=r"(q[15])
-                        : "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]), "r"(v[4]), "r"(v[5]), "r"(v[6]), "r"(v[7]),
-                          "r"(v[8]), "r"(v[9]), "r"(v[10]), "r"(v[11]), "r"(v[12]), "r"(v[13]), "r"(v[14]), "r"(v[15]));
-                    a_tile = qs + (g & 1) * W_BYTES;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                                     :: "r"(a_tile + swz(r, 4 * kb + j)), "r"(q[4 * j]), "r"(q[4 * j + 1]),
-                                        "r"(q[4 * j + 2]), "r"(q[4 * j + 3]) : "memory");
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
-                }
-#endif
-                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    const u64 da = gmma_desc(a_tile + wg * 8192 + kk * 32);
-                    const u64 db = gmma_desc(xs + s * X_BYTES + kk * 32);
-                    const int acc_in = (i > 0 || kk > 0) ? 1 : 0;  // the tile's first MMA overwrites
-                    asm volatile("@WG256@"
-                        : @ACC0@
-                        : "l"(da), "l"(db), "r"(acc_in));
-#if TOKS > 256
-                    if (two) {
-                        const u64 db1 = gmma_desc(xs + s * X_BYTES + 256 * 128 + kk * 32);
-                        asm volatile("@WG64@"
-                            : @ACC1@
-                            : "l"(da), "l"(db1), "r"(acc_in));
-                    }
-#endif
-                }
-                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                if (i > 0 && t == 0) {
-                    const u32 bar = empty + 8 * ((g - 1) % STAGES);
-                    mbar_arrive_cluster(bar, 0);
-                    mbar_arrive_cluster(bar, 1);
-                }
-            }
-            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-            for (int j = 0; j < 128; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
-#if TOKS > 256
-#pragma unroll
-            for (int j = 0; j < 32; ++j) asm volatile("" : "+f"(acc1[j]) :: "memory");
-#endif
-            if (t == 0 && n_k > 0) {  // the tile's last stage, free now
-                const u32 bar = empty + 8 * ((g - 1) % STAGES);
-                mbar_arrive_cluster(bar, 0);
-                mbar_arrive_cluster(bar, 1);
-            }
-            const int cols = row1 - row0;
-#pragma unroll
-            for (int j = 0; j < 128; ++j) {
-                const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
-                const int col = 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
-                const int n = n0 + m;
-                if (col < cols && n < N) {
-                    u16 h;
-                    asm volatile("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc[j]));
-                    out[(long long)(row0 + col) * N + n] = h;
-                }
-            }
-#if TOKS > 256
-            if (two) {
-#pragma unroll
-                for (int j = 0; j < 32; ++j) {
-                    const int m = 64 * wg + 16 * warp + (lane >> 2) + 8 * ((j >> 1) & 1);
-                    const int col = 256 + 8 * (j >> 2) + 2 * (lane & 3) + (j & 1);
-                    const int n = n0 + m;
-                    if (col < cols && n < N) {
-                        u16 h;
-                        asm volatile("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(acc1[j]));
-                        out[(long long)(row0 + col) * N + n] = h;
-                    }
-                }
-            }
-#endif
-        }
-    }
-    cluster_sync();
-}
 """.replace("@QDQ@", qdq).replace("@WG256@", _wgmma_asm(256)).replace("@WG64@", _wgmma_asm(64)).replace(
         "@ACC0@", acc0).replace("@ACC1@", acc1)
 
@@ -476,11 +313,10 @@ wq_cluster_fwd_persistent(const __grid_constant__ TmaDesc xmap, const __grid_con
 _KERNELS: dict[tuple, object] = {}
 
 
-def _kernel(fmt: str, mode: str, stages: int, direct: bool, tokens: int, epi: bool, persistent: bool = False):
-    key = (fmt, mode, stages, direct, tokens, epi, persistent)
+def _kernel(fmt: str, mode: str, stages: int, direct: bool, tokens: int, epi: bool):
+    key = (fmt, mode, stages, direct, tokens, epi)
     if key not in _KERNELS:
-        name = "wq_cluster_fwd_persistent" if persistent else "wq_cluster_fwd"
-        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, tokens, epi), name,
+        k = torch.cuda._compile_kernel(kernel_source(fmt, mode, stages, direct, tokens, epi), "wq_cluster_fwd",
                                        compute_capability="90a")
         k.set_shared_memory_config(smem_bytes(stages, tokens))
         _KERNELS[key] = k
@@ -525,7 +361,7 @@ def _aligned(buf: ctypes.Array) -> ctypes.c_void_p:
 
 def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                            stages: int = 3, tokens: int = 320, order: str = "weight", direct: bool = False,
-                           epi: bool = True, persistent: bool = False) -> Tensor:
+                           epi: bool = True) -> Tensor:
     """out (T, N) bf16 = xq[t] Q(w[e])^T: design (f) (module docs). xq (T, K) bf16 dequantized
     MX values along K; w (E, N, K) bf16 raw; offsets (E,) int32 cumulative ends. Rows at and
     past offsets[-1] are zeros. sm90 only; K a multiple of 8. ``tokens``: the most token
@@ -552,21 +388,16 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     if T == 0 or N == 0 or E == 0 or K == 0:
         return out.zero_()
     pe, pr0, pr1, pn0 = tile_table(offsets, T, N, tokens, 256, order, equal=True)
-    kern = _kernel(fmt, mode, stages, direct, tokens, epi, persistent)
+    kern = _kernel(fmt, mode, stages, direct, tokens, epi)
     xd, xd256, wd = tma_desc(xq, tokens // 2), tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
-    clusters = pe.numel()
-    if persistent:  # one cluster per two SMs, each walking the table; P, the table's length, comes first
-        clusters = min(clusters, torch.cuda.get_device_properties(xq.device).multi_processor_count // 2)
-        ints = [ctypes.c_int(pe.numel()), *ints]
     descs = [_aligned(d) for d in (xd, xd256, wd)]  # kernel parameters by value: pointers to their bytes
-    args = [*ptrs, *ints]
-    params = (ctypes.c_void_p * (3 + len(args)))(*[d.value for d in descs],
-                                                 *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    params = (ctypes.c_void_p * 10)(*[d.value for d in descs],
+                                    *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in [*ptrs, *ints]])
     lib = torch.cuda._utils._get_gpu_runtime_library()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    res = lib.cuLaunchKernel(kern.func, 2 * clusters, 1, 1, THREADS, 1, 1, smem_bytes(stages, tokens), stream,
+    res = lib.cuLaunchKernel(kern.func, 2 * pe.numel(), 1, 1, THREADS, 1, 1, smem_bytes(stages, tokens), stream,
                              params, None)
     if res != 0:
         raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")

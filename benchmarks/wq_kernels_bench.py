@@ -43,8 +43,7 @@ SWEEP = {  # per design: settings (keyword arguments), the first one also timed 
         (128, 256, 64, 4, 8, "weight"), (128, 256, 64, 3, 8, "weight"), (128, 256, 64, 3, 8, "token"),
         (128, 128, 64, 4, 8, "weight"), (128, 256, 32, 5, 8, "weight")]],
     "f": [dict(tokens=320, stages=3, order="weight"), dict(tokens=320, stages=3, order="token"),
-          dict(tokens=320, stages=3, order="weight", epi=False), dict(tokens=256, stages=4, order="weight", epi=False),
-          dict(tokens=320, stages=3, order="weight", persistent=True)],
+          dict(tokens=320, stages=3, order="weight", epi=False), dict(tokens=256, stages=4, order="weight", epi=False)],
 }
 REFS = {  # timing references per design: name -> extra keyword arguments
     "e": {"kernel": {}, "no quant": dict(quantize=False), "no mma": dict(mma=False),
