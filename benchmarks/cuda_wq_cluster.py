@@ -14,7 +14,7 @@ per CTA and step). Triton 3.6's Gluon has no multicast, so this is CUDA (NVRTC, 
 Per cluster: one expert, one chunk of at most ``tokens`` (320) token rows (the wgmma N
 side: an m64n256 accumulator, and an m64n64 one for rows 256..319 when the chunk is longer
 than 256) and 2 x 128 weight rows (the M side; CTA rank r takes rows n0 + 128 r). Each
-expert's tokens are cut into ceil(S / 320) near-equal chunks (``gluon_wq_tma.tile_table``), so the
+expert's tokens are cut into ceil(S / 320) near-equal chunks (``gluon_wq.tile_table``), so the
 issue's 205-307 tokens per expert take one chunk each instead of 256 + a nearly empty
 tile. Each CTA loads its own raw weight tile (128 x 64 per step, TMA) and half of the token
 tile, multicast to both CTAs. 384 threads: warpgroups 0 and 1 consume (64 weight rows each:
@@ -43,10 +43,11 @@ import re
 import torch
 from torch import Tensor
 
-from gluon_wq_tma import check_wq_args, qdq_block_asm, tile_table
+from gluon_wq import check_wq_args, tile_table
+from gluon_wq_tma import qdq_block_asm
 
-BLOCK_W, BLOCK_K = 128, 64  # per CTA: weight rows, k per step
 THREADS = 384
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory one CTA may take on sm90
 
 
 def _wgmma_asm(n: int) -> str:
@@ -368,7 +369,7 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     rows per cluster (256 or 320; at 320 only 3 stages fit in shared memory).
 
     Raises:
-        TypeError, ValueError: as ``gluon_wq_tma.check_wq_args`` says; tokens not 256 or 320;
+        TypeError, ValueError: as ``gluon_wq.check_wq_args`` says; tokens not 256 or 320;
             stages and tokens that need more than sm90's shared memory.
         RuntimeError: the driver refuses the TMA descriptors or the launch.
     """
@@ -377,10 +378,10 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
     if tokens not in (256, 320):
         raise ValueError(f"tokens must be 256 or 320, got {tokens!r}")
-    check_wq_args(xq, w, offsets, stages, "design (f)")
-    if smem_bytes(stages, tokens) > 232448:
+    check_wq_args(xq, w, offsets, stages, "design (f)", tma=True)
+    if smem_bytes(stages, tokens) > SMEM_LIMIT:
         raise ValueError(f"stages={stages} with tokens={tokens} needs {smem_bytes(stages, tokens)} bytes of shared "
-                         f"memory, more than the 232448 of sm90; use fewer stages")
+                         f"memory, more than the {SMEM_LIMIT} of sm90; use fewer stages")
     xq, w = xq.contiguous(), w.contiguous()
     T, K = xq.shape
     E, N, _ = w.shape
@@ -389,7 +390,8 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
         return out.zero_()
     pe, pr0, pr1, pn0 = tile_table(offsets, T, N, tokens, 256, order, equal=True)
     kern = _kernel(fmt, mode, stages, direct, tokens, epi)
-    xd, xd256, wd = tma_desc(xq, tokens // 2), tma_desc(xq, 128), tma_desc(w.view(E * N, K), 128)
+    xd, wd = tma_desc(xq, tokens // 2), tma_desc(w.view(E * N, K), 128)
+    xd256 = xd if tokens == 256 else tma_desc(xq, 128)  # the box of chunks of at most 256 tokens
     ptrs = [ctypes.c_void_p(a.data_ptr()) for a in (out, pe, pr0, pr1, pn0)]
     ints = [ctypes.c_int(N), ctypes.c_int(K)]
     descs = [_aligned(d) for d in (xd, xd256, wd)]  # kernel parameters by value: pointers to their bytes

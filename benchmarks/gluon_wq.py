@@ -158,22 +158,73 @@ else:  # pragma: no cover
     _store_tile_t = _wq_fwd_kernel = None
 
 
-def row_tile_table(offsets: Tensor, T: int, block_t: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The token tiles of a grouped GEMM, on the device without a host sync: for each of the
-    static bound T // block_t + E tiles, (expert or -1, first row, end row of the expert),
-    int32. Tiles never straddle two experts."""
+def tile_table(offsets: Tensor, T: int, N: int, rows: int, cols: int, order: str = "weight", equal: bool = False
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One entry per program of a static grid of (T // rows + E) * cdiv(N, cols): (expert or
+    -1, first token row, end row of its tile, first weight row n0), int32, computed on the
+    device without a host sync. Each expert's S tokens are cut into tiles of ``rows``
+    (``equal=False``; the last one shorter) or into ceil(S / rows) near-equal chunks of at
+    most ``rows`` (``equal=True``: 300 tokens at rows = 320 make one chunk, at 256 two of
+    150). The programs of one expert are consecutive; within it, ``order="weight"`` puts all
+    token tiles of a weight tile in a row (the weight tile is read once), ``order="token"``
+    all weight tiles of a token tile. Offsets are clamped into [0, T] and made
+    non-decreasing. Every token row of every expert is in exactly one tile per weight tile.
+
+    Raises:
+        ValueError: ``order`` not "weight" or "token".
+    """
+    if order not in ("weight", "token"):
+        raise ValueError(f"order must be 'weight' or 'token', got {order!r}")
     E = offsets.numel()
-    ends = offsets.to(torch.int64).clamp(max=T)
+    col_tiles = triton.cdiv(N, cols)
+    ends = torch.cummax(offsets.to(torch.int64).clamp(min=0, max=T), 0).values
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    sizes = (ends - starts).clamp(min=0)
-    tiles = (sizes + block_t - 1) // block_t
-    cum = tiles.cumsum(0)
-    ids = torch.arange(T // block_t + E, device=offsets.device)
-    e = torch.searchsorted(cum, ids, right=True)
+    size = ends - starts
+    tiles = (size + rows - 1) // rows
+    length = (size + tiles.clamp(min=1) - 1) // tiles.clamp(min=1) if equal else torch.full_like(size, rows)
+    cum = (tiles * col_tiles).cumsum(0)
+    p = torch.arange((T // rows + E) * col_tiles, device=offsets.device)
+    e = torch.searchsorted(cum, p, right=True)
     valid = e < E
     ec = e.clamp(max=E - 1)
-    row0 = starts[ec] + (ids - (cum[ec] - tiles[ec])) * block_t
-    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), ends[ec].to(torch.int32))
+    local = p - (cum[ec] - tiles[ec] * col_tiles)
+    if order == "weight":
+        nt = tiles[ec].clamp(min=1)
+        ct, rt = local // nt, local % nt
+    else:
+        rt, ct = local // col_tiles, local % col_tiles
+    row0 = starts[ec] + rt * length[ec]
+    row1 = torch.minimum(row0 + length[ec], ends[ec])
+    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), row1.to(torch.int32),
+            (ct * cols).to(torch.int32))
+
+
+def check_wq_args(xq: Tensor, w: Tensor, offsets: Tensor, stages: int, name: str, tma: bool = False) -> None:
+    """The argument checks of designs (d), (e) and (f), as :func:`mxmoe.mx_grouped_mm` makes
+    them, plus what the kernels need: bf16 operands, two ring stages at least, one CUDA
+    device, and with ``tma`` (designs (e), (f)) K a multiple of 8 (TMA's 16-byte row pitch).
+
+    Raises:
+        TypeError: xq or w not bfloat16, offsets not int32/int64.
+        ValueError: shapes (xq (T, K), w (E, N, K), offsets (E,)), K not a multiple of 8
+            with ``tma``, stages not an int >= 2, tensors not all on one CUDA device.
+    """
+    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2]:
+        raise ValueError(f"expected xq (T, K) and w (E, N, K), got {tuple(xq.shape)} and {tuple(w.shape)}")
+    if offsets.shape != (w.shape[0],):
+        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
+    if tma and xq.shape[1] % 8:
+        raise ValueError(f"{name} needs K a multiple of 8 (TMA's 16-byte row pitch), got K={xq.shape[1]}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"stages must be an int >= 2 (the ring refills one stage while it reads another), "
+                         f"got {stages!r}")
+    if not (xq.device == w.device == offsets.device) or xq.device.type != "cuda":
+        raise ValueError(f"{name} runs on one CUDA (sm90) device, got xq on {xq.device}, w on {w.device}, "
+                         f"offsets on {offsets.device}")
 
 
 def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
@@ -185,19 +236,15 @@ def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str 
     weight) and ``mma=False`` (no tensor-core work: zeros) are timing references, not results.
 
     Raises:
-        RuntimeError: no Gluon in this Triton. ValueError/TypeError: as the checks say.
+        RuntimeError: no Gluon in this Triton. TypeError, ValueError: as :func:`check_wq_args`
+            says (offsets of another shape or device are refused: the kernel would read past w).
     """
     from mxmoe.kernels.quantize import _codes
     from mxmoe.ops.gemm import zero_rows_past_end
 
     if _wq_fwd_kernel is None:
         raise RuntimeError(f"design (d) needs Triton's Gluon dialect (Triton >= 3.5), found {triton.__version__}")
-    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
-    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2]:
-        raise ValueError(f"expected xq (T, K) and w (E, N, K), got {tuple(xq.shape)} and {tuple(w.shape)}")
-    if not xq.is_cuda:
-        raise ValueError("design (d) runs on CUDA (sm90) only")
+    check_wq_args(xq, w, offsets, stages, "design (d)")
     elem, _, mode_code = _codes(fmt, mode)
     xq, w = xq.contiguous(), w.contiguous()
     T, K = xq.shape
@@ -205,7 +252,7 @@ def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str 
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
     if T == 0 or N == 0:
         return out
-    te, r0, r1 = row_tile_table(offsets, T, block_t)
+    te, r0, r1, _ = tile_table(offsets, T, 1, block_t, 1)  # one entry per token tile
     col_tiles = triton.cdiv(N, block_w)
     _wq_fwd_kernel[(te.numel() * col_tiles,)](
         xq, w, out, te, r0, r1, N, K, col_tiles, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k,

@@ -17,7 +17,7 @@ cuBLAS):
   the whole block: packed bf16x2 amax (max.u16x2 on the sign-cleared bits), the scale
   exponent (rceil or floor, the quantizers' rule), then per pair of elements the multiply
   by 2^-e, cvt.rn.satfinite.{e4m3,e5m2}x2, the exact decode back to f16x2, the multiply by
-  2^e and the bf16 pack: ~7 instructions per element against ~17;
+  2^e and the bf16 pack: ~9.4 SASS instructions per element against ~17;
 - non-finite blocks: the dequantization scale is NaN, so every element of the block is NaN
   in the GEMM (the quantize pass writes NaN too; the payload never leaves the kernel);
 - program order: the tiles of one expert together, weight-tile major (all token tiles of a
@@ -26,7 +26,7 @@ cuBLAS):
 Bit-exactness against design (a) rests on the same rules as the quantizers' PTX path
 (round to nearest even with saturation in cvt.rn.satfinite; the scale from the float32
 amax times 1/max in rceil mode, :func:`mxmoe.kernels.triton_quantize._scale_exponent`);
-benchmarks/grouped_gemm_wq.py checks the output bit-equal to (a) on the H200 at every shape
+benchmarks/wq_kernels_bench.py checks the output bit-equal to (a) on the H200 at every shape
 it times. Triton 3.6's Gluon dialect; sm90 only (no CPU interpreter for Gluon or TMA).
 """
 
@@ -47,7 +47,7 @@ try:  # Gluon (Triton >= 3.5); the module imports without it, the kernel then is
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-from gluon_wq import _store_tile_t  # noqa: E402 - None without Gluon, like the kernels here
+from gluon_wq import _store_tile_t, check_wq_args, tile_table  # noqa: E402 - _store_tile_t None without Gluon
 
 
 def _f32_hex(v: float) -> str:
@@ -102,7 +102,7 @@ if gluon is not None:
     def _qdq_blocks(w, ASM: gl.constexpr):
         """w (R, C) bf16, each thread holding whole 32-element blocks along C -> the same
         values quantized and dequantized (bf16)."""
-        return gl.inline_asm_elementwise(ASM, "=r," * 15 + "=r," + "r," * 15 + "r", [w], dtype=gl.bfloat16,
+        return gl.inline_asm_elementwise(ASM, "=r," * 16 + "r," * 15 + "r", [w], dtype=gl.bfloat16,
                                          is_pure=True, pack=32)
 
     @gluon.jit
@@ -169,73 +169,6 @@ else:  # pragma: no cover
     _wq_tma_fwd_kernel = None
 
 
-def tile_table(offsets: Tensor, T: int, N: int, rows: int, cols: int, order: str = "weight", equal: bool = False
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One entry per program of a static grid of (T // rows + E) * cdiv(N, cols): (expert or
-    -1, first token row, end row of its tile, first weight row n0), int32, computed on the
-    device without a host sync. Each expert's S tokens are cut into tiles of ``rows``
-    (``equal=False``; the last one shorter) or into ceil(S / rows) near-equal chunks of at
-    most ``rows`` (``equal=True``: 300 tokens at rows = 320 make one chunk, at 256 two of
-    150). The programs of one expert are consecutive; within it, ``order="weight"`` puts all
-    token tiles of a weight tile in a row (the weight tile is read once), ``order="token"``
-    all weight tiles of a token tile. Offsets are clamped into [0, T] and made
-    non-decreasing. Every token row of every expert is in exactly one tile per weight tile.
-
-    Raises:
-        ValueError: ``order`` not "weight" or "token".
-    """
-    if order not in ("weight", "token"):
-        raise ValueError(f"order must be 'weight' or 'token', got {order!r}")
-    E = offsets.numel()
-    col_tiles = triton.cdiv(N, cols)
-    ends = torch.cummax(offsets.to(torch.int64).clamp(min=0, max=T), 0).values
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    size = ends - starts
-    tiles = (size + rows - 1) // rows
-    length = (size + tiles.clamp(min=1) - 1) // tiles.clamp(min=1) if equal else torch.full_like(size, rows)
-    cum = (tiles * col_tiles).cumsum(0)
-    p = torch.arange((T // rows + E) * col_tiles, device=offsets.device)
-    e = torch.searchsorted(cum, p, right=True)
-    valid = e < E
-    ec = e.clamp(max=E - 1)
-    local = p - (cum[ec] - tiles[ec] * col_tiles)
-    if order == "weight":
-        nt = tiles[ec].clamp(min=1)
-        ct, rt = local // nt, local % nt
-    else:
-        rt, ct = local // col_tiles, local % col_tiles
-    row0 = starts[ec] + rt * length[ec]
-    row1 = torch.minimum(row0 + length[ec], ends[ec])
-    return (torch.where(valid, ec, -1).to(torch.int32), row0.to(torch.int32), row1.to(torch.int32),
-            (ct * cols).to(torch.int32))
-
-
-def check_wq_args(xq: Tensor, w: Tensor, offsets: Tensor, stages: int, name: str) -> None:
-    """The argument checks of designs (e) and (f), as :func:`mxmoe.mx_grouped_mm` makes them.
-
-    Raises:
-        TypeError: xq or w not bfloat16, offsets not int32/int64.
-        ValueError: shapes (xq (T, K), w (E, N, K), offsets (E,), K a multiple of 8 for the
-            TMA row pitch), tensors not all on one CUDA device, stages < 2.
-    """
-    if xq.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise TypeError(f"xq and w must be bfloat16, got {xq.dtype} and {w.dtype}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
-    if xq.dim() != 2 or w.dim() != 3 or xq.shape[1] != w.shape[2]:
-        raise ValueError(f"expected xq (T, K) and w (E, N, K), got {tuple(xq.shape)} and {tuple(w.shape)}")
-    if offsets.shape != (w.shape[0],):
-        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
-    if xq.shape[1] % 8:
-        raise ValueError(f"{name} needs K a multiple of 8 (TMA's 16-byte row pitch), got K={xq.shape[1]}")
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
-        raise ValueError(f"stages must be an int >= 2 (the ring refills one stage while it reads another), "
-                         f"got {stages!r}")
-    if not (xq.device == w.device == offsets.device) or xq.device.type != "cuda":
-        raise ValueError(f"{name} runs on one CUDA (sm90) device, got xq on {xq.device}, w on {w.device}, "
-                         f"offsets on {offsets.device}")
-
-
 def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                                 block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 3,
                                 num_warps: int = 8, order: str = "weight", quantize: bool = True,
@@ -255,12 +188,12 @@ def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: 
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
     if _wq_tma_fwd_kernel is None:
         raise RuntimeError(f"design (e) needs Triton's Gluon dialect (Triton >= 3.5), found {triton.__version__}")
-    check_wq_args(xq, w, offsets, stages, "design (e)")
+    check_wq_args(xq, w, offsets, stages, "design (e)", tma=True)
     xq, w = xq.contiguous(), w.contiguous()
     T, K = xq.shape
     E, N, _ = w.shape
     out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
-    if T == 0 or N == 0 or E == 0:
+    if T == 0 or N == 0 or E == 0 or K == 0:
         return out.zero_()
     pe, pr0, pr1, pn0 = tile_table(offsets, T, N, block_t, block_w, order)
     x_sl = gl.NVMMASharedLayout.get_default_for([block_t, block_k], gl.bfloat16)

@@ -160,7 +160,7 @@ def main() -> int:
                 us = {v: bench(lambda r=r: efwd(xq, w, offs, **r, **kw), rep=60, graph=True) * 1e6
                       for v, r in refs.items()}
             except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"  {kw}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                report(f"sweep {label} {kw} runs", False, f"{type(e).__name__}: {str(e)[:300]}")
                 continue
             print(f"  {kw}: {json.dumps({k: round(v, 1) for k, v in us.items()})} x bf16 "
                   f"{t_bf * 1e6 / us['kernel']:.3f} bit-equal to (a) {eq}", flush=True)
@@ -191,9 +191,9 @@ def main() -> int:
         for order in ("weight", "token"):
             if order != kw["order"]:
                 t[f"({d}) kernel, order {order}"] = bench(lambda: efwd(xq, w, offs, **{**kw, "order": order}), graph=True)
-        eq = torch.equal(efwd(xq, w, offs, **kw), grouped_mm_nt(xq, fq(w, 2), offs))
-        report(f"({d}) bit-equal to (a) at T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}", eq)
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
+        eq = torch.equal(efwd(xq, w, offs, **kw), grouped_mm_nt(xq, fq(w, 2), offs))
+        report(f"({d}) bit-equal to (a) at {name}", eq)
         print(f"\n{name}: ({d}) bit-equal to (a): {eq}")
         flop = 2.0 * T * K * N
         for k, v in t.items():

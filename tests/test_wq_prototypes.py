@@ -1,5 +1,6 @@
 """CPU checks of the host-side logic of the in-GEMM weight quantization prototypes
-(benchmarks/gluon_wq_tma.py, design (e); benchmarks/cuda_wq_cluster.py, design (f)).
+(benchmarks/gluon_wq.py, design (d), whose tile_table all three use; gluon_wq_tma.py,
+design (e); cuda_wq_cluster.py, design (f)).
 
 Their kernels run only on sm90 (benchmarks/wq_kernels_bench.py checks them on the H200);
 what runs on the host is the tile / chunk schedule, computed with torch ops on the device
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+gluon_wq = pytest.importorskip("gluon_wq")
 gluon_wq_tma = pytest.importorskip("gluon_wq_tma")
 cuda_wq_cluster = pytest.importorskip("cuda_wq_cluster")
 
@@ -32,7 +34,7 @@ def test_tile_table_clamps_and_orders_offsets(cum, T):
     ends = torch.cummax(offs.to(torch.int64).clamp(0, T), 0).values.tolist()
     starts = [0] + ends[:-1]
     for equal in (False, True):
-        e, r0, r1, n0 = gluon_wq_tma.tile_table(offs, T, 64, 256, 64, equal=equal)
+        e, r0, r1, n0 = gluon_wq.tile_table(offs, T, 64, 256, 64, equal=equal)
         cov = _coverage(T, 128, (e, r0, r1, n0), 64)[:, :64]
         want = torch.zeros(T, dtype=torch.int32)
         want[:ends[-1]] = 1
@@ -54,14 +56,14 @@ def _coverage(T, N, rows, width):
 
 
 @pytest.mark.parametrize("sizes", GROUPS)
-@pytest.mark.parametrize("rows, cols, equal", [(256, 128, False), (128, 128, False), (256, 256, True),
+@pytest.mark.parametrize("rows, cols, equal", [(256, 1, False), (256, 128, False), (128, 128, False), (256, 256, True),
                                                (320, 256, True)])
 @pytest.mark.parametrize("order", ["weight", "token"])
 def test_tile_table_covers_each_row_once(sizes, rows, cols, equal, order):
     T = sum(sizes) + 7  # rows past the last offset exist and stay uncovered
     N = 600  # the last weight tile partly past N
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    e, r0, r1, n0 = gluon_wq_tma.tile_table(offs, T, N, rows, cols, order, equal)
+    e, r0, r1, n0 = gluon_wq.tile_table(offs, T, N, rows, cols, order, equal)
     assert e.numel() == (T // rows + len(sizes)) * -(-N // cols)
     starts = [0] + offs.tolist()[:-1]
     ends = offs.tolist()
@@ -78,17 +80,17 @@ def test_tile_table_covers_each_row_once(sizes, rows, cols, equal, order):
 def test_chunks_are_near_equal():
     # 300 tokens: one chunk at 320 (not 256 + 44); 641: three of 214 / 214 / 213
     offs = torch.tensor([300, 941], dtype=torch.int32)
-    e, r0, r1, _ = gluon_wq_tma.tile_table(offs, 941, 256, 320, 256, equal=True)
+    e, r0, r1, _ = gluon_wq.tile_table(offs, 941, 256, 320, 256, equal=True)
     lens = sorted((int(b) - int(a)) for k, a, b in zip(e, r0, r1) if int(k) >= 0)
     assert lens == [213, 214, 214, 300]
-    e, r0, r1, _ = gluon_wq_tma.tile_table(offs, 941, 256, 256, 256)  # fixed tiles: 256 + 44, 256 + 256 + 129
+    e, r0, r1, _ = gluon_wq.tile_table(offs, 941, 256, 256, 256)  # fixed tiles: 256 + 44, 256 + 256 + 129
     lens = sorted((int(b) - int(a)) for k, a, b in zip(e, r0, r1) if int(k) >= 0)
     assert lens == [44, 129, 256, 256, 256]
 
 
 def test_tile_table_refuses_an_unknown_order():
     with pytest.raises(ValueError, match="order"):
-        gluon_wq_tma.tile_table(torch.tensor([4], dtype=torch.int32), 4, 8, 256, 128, "rows")
+        gluon_wq.tile_table(torch.tensor([4], dtype=torch.int32), 4, 8, 256, 128, "rows")
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -125,7 +127,25 @@ def test_bad_arguments_are_refused():
     for stages in (1, 0, True, 2.0):  # the ring needs two stages; 1 would deadlock, 0 divide by zero
         with pytest.raises(ValueError, match="stages must be"):
             f(x, w, offs, stages=stages)
-        with pytest.raises(ValueError, match="stages must be"):  # design (e)'s checks are the same function
-            gluon_wq_tma.check_wq_args(x, w, offs, stages, "design (e)")
+        with pytest.raises(ValueError, match="stages must be"):  # designs (d) and (e) share the checks
+            gluon_wq.check_wq_args(x, w, offs, stages, "design (e)", tma=True)
     with pytest.raises(ValueError, match="tokens must be"):
         f(x, w, offs, tokens=300)
+
+
+@pytest.mark.parametrize("design", ["d", "e", "f"])
+def test_every_design_refuses_offsets_that_do_not_fit(design):
+    """The kind of the bug design (f) had: offsets on another device (the kernel would read
+    host pointers) or with more entries than experts (it would read past w). Every design's
+    wrapper refuses both before it touches a kernel."""
+    fwd = {"d": gluon_wq.gluon_grouped_mm_wq_fwd, "e": gluon_wq_tma.gluon_grouped_mm_wq_tma_fwd,
+           "f": cuda_wq_cluster.cuda_grouped_mm_wq_fwd}[design]
+    if design in "de" and gluon_wq.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shape \\(E,\\)"):
+        fwd(x, w, torch.tensor([2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="CUDA"):
+        fwd(x, w, torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(TypeError, match="int32"):
+        fwd(x, w, torch.tensor([4.0]))
