@@ -1,0 +1,176 @@
+"""Design (b) with CUTLASS's sm90 mixed-input grouped GEMM: does a register-operand
+(RS) mainloop that converts the weight tile in registers run at the bf16 GEMM's speed?
+(issue 4, benchmarks/NOTES.md session 13; experimental, not used by the library)
+
+The grouped GEMMs are CUTLASS 4.2 ptr-array kernels (``cutlass_mixed/grouped_mixed.cu``,
+built by ``cutlass_mixed/build.sh`` into one shared library), per expert g:
+out[rows of g] (S_g x N) = x_g (S_g x K) . W_g^T, W_g the (N x K) weight as the register
+operand A and the S_g tokens as B. Variants (the library's function prefixes):
+
+- ``v0*``: bf16 W and bf16 x, CUTLASS's TMA warp-specialized cooperative kernel: the
+  skeleton ``torch._grouped_mm`` runs on sm90, with the operands' roles swapped;
+- ``m1*``: float8_e4m3 W converted to bf16 in registers (no scale);
+- ``m2*``: float8_e4m3 W times a bf16 scale per 64 elements along K (the mixed-input
+  kernel's chunk must be a multiple of its K tile, and the K tile at least 64: MXFP8's
+  32-element blocks are out of its reach, so this is a timing proxy for them, not MXFP8).
+
+For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
+``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
+e4m3 variants' outputs are checked against design (a)'s GEMM on the same values (v0:
+the dequantized operands; m1: the codes as bf16; m2: codes times the chunk scales).
+Timing by CUDA-graph replay where the launch can be captured, else eagerly.
+
+    bash benchmarks/cutlass_mixed/build.sh /tmp/cm.so     # nvcc 13, CUTLASS 4.2 headers
+    PYTHONPATH=src:benchmarks python3 benchmarks/cutlass_mixed.py --lib /tmp/cm.so --out r.json
+
+Writes JSON with the GPU name, versions and the commit (env COMMIT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import torch
+
+CHUNK = 64
+
+
+def variants(lib: ctypes.CDLL, names: list[str]) -> list[str]:
+    """The variant prefixes among ``names`` that the library defines."""
+    out = []
+    for n in names:
+        try:
+            getattr(lib, n + "_run")
+            out.append(n)
+        except AttributeError:
+            pass
+    return out
+
+
+def pointer_arrays(base: torch.Tensor, starts: torch.Tensor, row_elems: int) -> torch.Tensor:
+    """int64 device addresses base + starts * row_elems * element size (one per group)."""
+    return base.data_ptr() + starts.to(torch.int64) * (row_elems * base.element_size())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark runs on the H200", file=sys.stderr)
+        return 2
+    from grouped_gemm import SHAPES, SKEWED, group_sizes
+    from quantize import bench
+
+    from mxmoe.kernels.quantize import quantize_rowwise
+    from mxmoe.ops.gemm import grouped_mm_nt
+    from mxmoe.ops.grouped_mm import mx_grouped_mm
+    from mxmoe.ops.quantize import fake_quantize
+    from mxmoe.recipe import get_recipe
+
+    lib = ctypes.CDLL(args.lib)
+    names = variants(lib, args.variants.split(","))
+    for n in names:
+        getattr(lib, n + "_run").argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p]
+        getattr(lib, n + "_setup").argtypes = [ctypes.c_int] * 4
+    import triton
+
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+            "variants": names, "chunk": CHUNK}
+    print(json.dumps(info), flush=True)
+    recipe = get_recipe("mxfp8")
+    rows = []
+    for (T, K, N, E), skewed in [(s, False) for s in SHAPES] + [(SKEWED, True)]:
+        sizes = group_sizes(T, E, skewed)
+        dev = torch.device("cuda")
+        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        starts = offs - torch.tensor(sizes, device=dev, dtype=torch.int32)
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
+        xq = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
+        wq = fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16)
+        codes, _ = quantize_rowwise(w)  # (E, N, K) float8_e4m3fn
+        codes = codes.contiguous()
+        # a bf16 power-of-two scale per 64 elements along K, (E, K / 64, N) (N contiguous)
+        sexp = torch.randint(-3, 3, (E, K // CHUNK, N), device=dev, dtype=torch.int16)
+        scale = ((sexp + 127) << 7).view(torch.bfloat16).contiguous()
+        flop = 2.0 * T * K * N
+        r = {"shape": [T, K, N, E], "skewed": skewed, "sizes": [min(sizes), max(sizes)]}
+        t = {"bf16 torch._grouped_mm": bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), rep=100,
+                                             warmup=25),
+             "mx fwd (a), per call": bench(lambda: mx_grouped_mm(x, w, offs, recipe), rep=100, warmup=25),
+             "(a) GEMM on dequantized operands": bench(lambda: grouped_mm_nt(xq, wq, offs), rep=100, warmup=25)}
+        ref_a = grouped_mm_nt(xq, wq, offs)
+        problems = torch.stack([torch.full_like(offs, N), offs - starts, torch.full_like(offs, K)], 1)
+        problems = problems.to(torch.int32).contiguous()
+        checks = {}
+        for n in names:
+            fp8 = not n.startswith("v0")
+            wop = codes if fp8 else wq
+            out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+            pa = pointer_arrays(wop, torch.arange(E, device=dev), N * K) if not fp8 else \
+                codes.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K)
+            pb = pointer_arrays(xq, starts, K)
+            ps = scale.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (K // CHUNK * N * 2)
+            pd = pointer_arrays(out, starts, N)
+            keep = (pa, pb, ps, pd)
+            rc = getattr(lib, n + "_setup")(E, N, K, CHUNK)
+            stream = torch.cuda.current_stream().cuda_stream
+
+            def run(n=n, keep=keep):
+                res = getattr(lib, n + "_run")(problems.data_ptr(), keep[0].data_ptr(), keep[1].data_ptr(),
+                                              keep[2].data_ptr(), keep[3].data_ptr(), CHUNK,
+                                              torch.cuda.current_stream().cuda_stream)
+                if res:
+                    raise RuntimeError(f"{n}: CUTLASS returned {res}")
+
+            try:
+                if rc:
+                    raise RuntimeError(f"{n}: setup returned {rc}")
+                run()
+                torch.cuda.synchronize()
+                if n.startswith("v0"):
+                    want = ref_a
+                elif n.startswith("m1"):
+                    want = grouped_mm_nt(xq, codes.to(torch.bfloat16), offs)
+                else:
+                    wsc = codes.to(torch.float32).view(E, N, K // CHUNK, CHUNK) * \
+                        scale.float().transpose(1, 2).unsqueeze(-1)
+                    want = grouped_mm_nt(xq, wsc.view(E, N, K).to(torch.bfloat16), offs)
+                same = (out.view(torch.int16) == want.view(torch.int16)).float().mean().item()
+                err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
+                t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
+            except Exception as e:  # noqa: BLE001 - report the variant's failure, go on
+                checks[n] = {"error": f"{type(e).__name__}: {e}"}
+            del stream
+        base = t["bf16 torch._grouped_mm"]
+        r["us"] = {k: round(v * 1e6, 1) for k, v in t.items()}
+        r["x bf16"] = {k: round(base / v, 3) for k, v in t.items()}
+        r["TFLOP/s"] = {k: round(flop / v / 1e12, 1) for k, v in t.items()}
+        r["checks"] = checks
+        rows.append(r)
+        label = f"T={T} K={K} N={N} E={E}" + (" skewed" if skewed else "")
+        print(f"\n{label}  (sizes {min(sizes)}..{max(sizes)})")
+        print(f"  {'what':44s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
+        for k in t:
+            print(f"  {k:44s} {r['us'][k]:9.1f} {r['TFLOP/s'][k]:8.1f} {r['x bf16'][k]:7.3f}")
+        for n, c in checks.items():
+            print(f"  check {n}: {c}")
+        sys.stdout.flush()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Builds the CUTLASS grouped GEMM variants of benchmarks/cutlass_mixed.py into one shared
+# library: bash benchmarks/cutlass_mixed/build.sh OUT.so
+# Needs nvcc >= 12.8 (the H200 machine has 13.0) and CUTLASS 4.2's headers: CUTLASS_DIR
+# (default: the nvidia-cutlass 4.2 wheel's cutlass_library/source, unpacked to
+# /tmp/cutlass); LDFLAGS e.g. -L<dir of libcudart_static.a> where nvcc does not find it
+# (the CUDA wheels). Each variant is its own translation unit (~1 min of one core each).
+set -euo pipefail
+OUT=${1:?usage: build.sh OUT.so}
+CUTLASS_DIR=${CUTLASS_DIR:-/tmp/cutlass/cutlass_library/source}
+HERE=$(cd "$(dirname "$0")" && pwd)
+TMP=$(mktemp -d)
+# name variant TM TN TK CM (see grouped_mixed.cu)
+VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
+v0b 0 128 128 64 1
+m1a 1 128 256 64 2
+m1b 1 128 128 64 1
+m2a 2 128 128 64 1
+m2b 2 128 256 64 2
+m2e 2 128 128 64 2"}
+objs=()
+while read -r name v tm tn tk cm; do
+  [ -z "$name" ] && continue
+  nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
+    -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
+    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" \
+    -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
+  objs+=("$TMP/$name.o")
+done <<< "$VARIANTS"
+wait
+grep -h -E "registers|C75" "$TMP"/*.log | sort | uniq -c
+nvcc -shared -cudart static -arch=sm_90a ${LDFLAGS:-} -o "$OUT" "${objs[@]}"
+echo "built $OUT"
