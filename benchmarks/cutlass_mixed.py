@@ -12,7 +12,11 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
 - ``m1*``: float8_e4m3 W converted to bf16 in registers (no scale);
 - ``m2*``: float8_e4m3 W times a bf16 scale per 64 elements along K (the mixed-input
   kernel's chunk must be a multiple of its K tile, and the K tile at least 64: MXFP8's
-  32-element blocks are out of its reach, so this is a timing proxy for them, not MXFP8).
+  32-element blocks are out of its reach, so this is a timing proxy for them, not MXFP8);
+- ``q3*``: the raw bf16 W, quantized to MXFP8 (E4M3, rceil) and dequantized in registers
+  inside the mainloop (design (g)): no pass over the weight. Checked bit for bit against
+  design (a) (the quantize passes, then the bf16 GEMM), and timed per call as the forward
+  runs it: the x pass, then this GEMM.
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
@@ -61,7 +65,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e")
+    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e,q3a,q3b,q3c")
+    ap.add_argument("--shapes", default="all", help="'all' or 'none' (only the exactness checks)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark runs on the H200", file=sys.stderr)
@@ -88,7 +93,8 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     recipe = get_recipe("mxfp8")
     rows = []
-    for (T, K, N, E), skewed in [(s, False) for s in SHAPES] + [(SKEWED, True)]:
+    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)] if args.shapes == "all" else []
+    for (T, K, N, E), skewed in cases:
         sizes = group_sizes(T, E, skewed)
         dev = torch.device("cuda")
         offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
@@ -113,8 +119,8 @@ def main() -> int:
         problems = problems.to(torch.int32).contiguous()
         checks = {}
         for n in names:
-            fp8 = not n.startswith("v0")
-            wop = codes if fp8 else wq
+            fp8 = n.startswith("m")
+            wop = w if n.startswith("q3") else codes if fp8 else wq
             out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
             pa = pointer_arrays(wop, torch.arange(E, device=dev), N * K) if not fp8 else \
                 codes.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K)
@@ -137,7 +143,7 @@ def main() -> int:
                     raise RuntimeError(f"{n}: setup returned {rc}")
                 run()
                 torch.cuda.synchronize()
-                if n.startswith("v0"):
+                if n.startswith("v0") or n.startswith("q3"):
                     want = ref_a
                 elif n.startswith("m1"):
                     want = grouped_mm_nt(xq, codes.to(torch.bfloat16), offs)
@@ -149,6 +155,25 @@ def main() -> int:
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
                 t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
+                if n.startswith("q3"):
+                    starts64 = starts.to(torch.int64)
+
+                    def per_call(n=n, keep=keep):  # the forward as it would run: x pass, then the GEMM
+                        xq2 = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
+                        out2 = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+                        pb2 = xq2.data_ptr() + starts64 * (K * 2)
+                        pd2 = out2.data_ptr() + starts64 * (N * 2)
+                        res = getattr(lib, n + "_run")(problems.data_ptr(), keep[0].data_ptr(), pb2.data_ptr(),
+                                                      keep[2].data_ptr(), pd2.data_ptr(), CHUNK,
+                                                      torch.cuda.current_stream().cuda_stream)
+                        if res:
+                            raise RuntimeError(f"{n}: CUTLASS returned {res}")
+                        return out2
+
+                    o2 = per_call()
+                    torch.cuda.synchronize()
+                    checks[n]["per_call_bit_equal"] = bool((o2.view(torch.int16) == ref_a.view(torch.int16)).all())
+                    t[f"{n} per call (x pass + GEMM)"] = bench(per_call, rep=100, warmup=25)
             except Exception as e:  # noqa: BLE001 - report the variant's failure, go on
                 checks[n] = {"error": f"{type(e).__name__}: {e}"}
             del stream
@@ -166,10 +191,96 @@ def main() -> int:
         for n, c in checks.items():
             print(f"  check {n}: {c}")
         sys.stdout.flush()
+    exact = exactness(lib, [n for n in names if n.startswith("q3")], recipe) if any(
+        n.startswith("q3") for n in names) else {}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+            json.dump({"info": info, "rows": rows, "exactness": exact}, f, indent=1)
     return 0
+
+
+def run_grouped(lib, n: str, xq: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out (T, N) of variant ``n`` (a q3 variant: raw bf16 w) on prepared xq; rows past
+    offsets[-1] zeros."""
+    T, K = xq.shape
+    E, N, _ = w.shape
+    dev = xq.device
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    starts = (offs - sizes).to(torch.int64)
+    problems = torch.stack([torch.full_like(offs, N), sizes, torch.full_like(offs, K)], 1).to(torch.int32).contiguous()
+    out = torch.zeros(T, N, device=dev, dtype=torch.bfloat16)
+    pa = w.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K * 2)
+    pb = xq.data_ptr() + starts * (K * 2)
+    pd = out.data_ptr() + starts * (N * 2)
+    rc = getattr(lib, n + "_setup")(E, N, K, CHUNK)
+    if rc:
+        raise RuntimeError(f"{n}: setup returned {rc}")
+    res = getattr(lib, n + "_run")(problems.data_ptr(), pa.data_ptr(), pb.data_ptr(), pa.data_ptr(), pd.data_ptr(),
+                                   CHUNK, torch.cuda.current_stream().cuda_stream)
+    if res:
+        raise RuntimeError(f"{n}: CUTLASS returned {res}")
+    torch.cuda.synchronize()
+    return out
+
+
+def exactness(lib, names: list[str], recipe) -> dict:
+    """The q3 variants against design (a): the quantized weight value for value through
+    one-hot tokens (blocks of every binade, e4m3 subnormals, ties, near the bf16 maximum,
+    non-finite blocks), then ragged groups bit for bit (K % 64 != 0, N not a multiple of
+    the tile; empty groups last, in case the grouped scheduler cannot take them)."""
+    from mxmoe.ops.gemm import grouped_mm_nt
+    from mxmoe.ops.quantize import fake_quantize
+
+    bf = torch.bfloat16
+    res = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, K = 96, 2048
+    w = torch.randn(1, N, K, device="cuda", generator=g)
+    blk = torch.randint(-150, 110, (1, N, K // 32, 1), device="cuda", generator=g).float()
+    w = (w.view(1, N, K // 32, 32) * torch.exp2(blk)).view(1, N, K)
+    w[0, 0, :32] = 448.0 * torch.exp2(torch.tensor(-140.0))  # subnormal block
+    w[0, 1, :32] = torch.tensor([1.0, 1.0625, 1.125, 1.1875] * 8) * 256  # ties at the e4m3 grid
+    w[0, 2, :32] = 3.0e38  # near the bf16 maximum
+    w = w.to(bf)
+    w[0, 3, 5] = float("inf")
+    w[0, 4, 40] = float("nan")
+    w[0, 5, 70] = -float("inf")
+    x = torch.eye(K, device="cuda", dtype=bf)
+    offs = torch.tensor([K], device="cuda", dtype=torch.int32)
+    bad = torch.zeros(N, dtype=torch.bool, device="cuda")
+    bad[[3, 4, 5]] = True
+    ref = fake_quantize(w, recipe, dim=2, out_dtype=bf)[0].t()
+    cases = [(4000, 1408, 64, [162, 0, 2577, 446, 0, 83]), (3000, 2880, 256, [3000]),
+             (2000, 1416, 264, [257, 1000, 700]), (700, 40, 96, [300, 300, 100]),
+             (5000, 2048, 200, [0] * 30 + [1200, 33, 0, 64])]
+    cases.sort(key=lambda c: 0 in c[3])
+    for n in names:
+        r = {}
+        try:
+            out = run_grouped(lib, n, x, w, offs)
+            o, rr = out[:, ~bad], ref[:, ~bad]
+            same = bool(((o == rr) | (o.isnan() & rr.isnan())).all())
+            nan_ok = bool(out[:, bad].isnan().all()) and bool(o.isfinite().all())
+            r["one-hot value for value"] = same and nan_ok
+            r["one-hot differing values"] = int((o != rr).sum())
+        except Exception as e:  # noqa: BLE001
+            r["one-hot"] = f"{type(e).__name__}: {e}"
+        for (T, Kc, Nc, sizes) in cases:
+            key = f"T={T} K={Kc} N={Nc} groups={sizes if len(sizes) < 8 else len(sizes)}"
+            try:
+                xx = torch.randn(T, Kc, device="cuda", dtype=bf)
+                ww = (torch.randn(len(sizes), Nc, Kc, device="cuda") * 0.02).to(bf)
+                oo = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+                xq = fake_quantize(xx, recipe, dim=1, out_dtype=bf)
+                want = grouped_mm_nt(xq, fake_quantize(ww, recipe, dim=2, out_dtype=bf), oo)
+                got = run_grouped(lib, n, xq, ww, oo)
+                end = int(oo[-1])
+                r[key] = bool((got[:end].view(torch.int16) == want[:end].view(torch.int16)).all())
+            except Exception as e:  # noqa: BLE001
+                r[key] = f"{type(e).__name__}: {e}"
+        res[n] = r
+        print(f"exactness {n}: {r}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

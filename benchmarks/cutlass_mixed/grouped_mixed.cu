@@ -11,6 +11,11 @@
 //   2  float_e4m3 weight times a bf16 scale per CHUNK weight elements along K (mixed
 //      input, ConvertAndScale); with CHUNK = 32 and power-of-two scales this is the MXFP8
 //      weight exactly (E8M0 scale = a power of two, exact in bf16)
+//   3  the raw bf16 weight, quantized to MXFP8 (E4M3, 32-element blocks along K, FMT / MODE)
+//      and dequantized in registers inside the mainloop: CUTLASS's mixed-input
+//      register-operand (RS) mainloop with the weight carried as a 16-bit type and its
+//      per-k-block conversion replaced by the block quantization (qdq_kblock below);
+//      exact: the values of design (a)'s quantize pass
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
 // device pointers only (no host synchronization).
@@ -25,6 +30,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include <cuda_fp16.h>
 
 using namespace cute;
 
@@ -41,7 +47,7 @@ namespace {
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using Bf16 = cutlass::bfloat16_t;
 using E4m3 = cutlass::float_e4m3_t;
-using ElementW = cute::conditional_t<VARIANT == 0, Bf16, E4m3>;
+using ElementW = cute::conditional_t<VARIANT == 0, Bf16, cute::conditional_t<VARIANT == 3, cutlass::half_t, E4m3>>;
 using ElementScale = Bf16;
 using LayoutW = cutlass::layout::RowMajor;      // W (Nout x K), K contiguous
 using LayoutX = cutlass::layout::ColumnMajor;   // X^T (K x S) with K contiguous: X row-major
@@ -59,13 +65,162 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, LayoutD*, AlignD, Bf16, LayoutD*, AlignD, EpilogueSchedule>::CollectiveOp;
 
+#if VARIANT == 3
+// The collective the builder would make for a 16-bit weight converted in registers (it
+// builds mixed-input kernels only for operands of different widths): the raw bf16 weight
+// travels as half_t (TMA and shared memory move bits), TransformA marks the collective
+// whose per-k-block conversion is the MXFP8 quantization (the MixedInputUtils
+// specialization below).
+struct QdqTransform {};
+namespace cd = cutlass::gemm::collective::detail;
+using TiledMmaQ = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>(), Layout<Shape<_2, _1, _1>>{}));
+using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
+using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
+#ifndef STAGES
+#define STAGES 4
+#endif
+constexpr int StagesQ = STAGES;
+template <class TransformA>
+using CollectiveQ = cutlass::gemm::collective::CollectiveMma<
+    cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<StagesQ, ClusterShape, KernelSchedule>,
+    TileShape, cute::tuple<cutlass::half_t>, cutlass::detail::TagToStrideA_t<LayoutW*>, Bf16,
+    cutlass::detail::TagToStrideB_t<LayoutX*>, TiledMmaQ,
+    decltype(cd::sm90_cluster_shape_to_tma_atom(shape<1>(ClusterShape{}))), SmemAtomAQ,
+    Copy_Atom<cute::AutoVectorizingCopy, cutlass::half_t>, TransformA,
+    decltype(cd::sm90_cluster_shape_to_tma_atom(shape<0>(ClusterShape{}))), SmemAtomBQ, void, cute::identity>;
+using Mainloop = CollectiveQ<QdqTransform>;
+// complete the plain collective (and with it its MixedInputUtils) before the specialization
+// below derives from that MixedInputUtils
+static_assert(sizeof(typename CollectiveQ<cute::identity>::SharedStorage) > 0);
+#else
 using OperandA = cute::conditional_t<VARIANT == 2, cute::tuple<ElementW, ElementScale>, ElementW>;
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, OperandA, LayoutW*, AlignW, Bf16, LayoutX*, AlignX,
     float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
+#endif
 
+}  // namespace
+
+#if VARIANT == 3
+#ifndef FMT
+#define FMT 0  // 0: E4M3, 1: E5M2
+#endif
+#ifndef MODE
+#define MODE 0  // 0: rceil, 1: floor (docs/NUMERICS.md)
+#endif
+namespace mxq {
+// The MX block quantization of benchmarks/gluon_wq_tma.qdq_block_asm (design (e), exact
+// against the quantizers), per pair of bf16 values of one row: the scale exponent e from
+// the block amax (the rule of mxmoe.kernels.triton_quantize._scale_exponent), then per
+// value x: cvt.rn.satfinite(x * 2^-e) to E4M3/E5M2, decoded, times 2^e, to bf16.
+constexpr int kEmax = FMT == 0 ? 8 : 15;
+constexpr uint32_t kInvMaxBits = FMT == 0 ? 0x3b124925u : 0x37924925u;  // float32(1 / 448), float32(1 / 57344)
+
+__device__ __forceinline__ uint32_t vmax2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// amax: the block's largest sign-cleared bf16 bit pattern (NaN patterns sort above inf)
+__device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& sc) {
+  const uint32_t bits = amax16 << 16;
+  const bool nf = bits >= 0x7F800000u;
+  int e;
+#if MODE == 1
+  e = int((bits >> 23) & 0xFFu) - (127 + kEmax);
+#else
+  const uint32_t db = __float_as_uint(__fmul_rn(__uint_as_float(bits), __uint_as_float(kInvMaxBits)));
+  const int dexp = int((db >> 23) & 0xFFu);
+  const uint32_t dman = db & 0x7FFFFFu;
+  e = dexp - 127 + (dman != 0u ? 1 : 0);
+  if (dexp == 0) e = dman > 0x400000u ? -126 : -127;
+#endif
+  e = min(max(e, -127), 127);
+  if (nf) e = 0;
+  inv = __uint_as_float(uint32_t(127 - e) << 23);
+  uint32_t s = uint32_t(e + 127) << 23;
+  if (e < -126) s = 0x400000u;  // 2^-127, a float32 subnormal
+  if (nf) s = 0x7FC00000u;      // a non-finite block dequantizes to NaN
+  sc = __uint_as_float(s);
+}
+
+__device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
+  const float x0 = __fmul_rn(__uint_as_float(x << 16), inv);
+  const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
+  unsigned short h;
+#if FMT == 0
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#else
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#endif
+  uint32_t g;
+#if FMT == 0
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
+#else
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
+#endif
+  const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
+  const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
+  uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
+  return out;
+}
+}  // namespace mxq
+
+namespace cutlass::gemm::collective::detail {
+// The weight's per-k-block conversion of the mixed-input mainloop, replaced by the MXFP8
+// quantization. A thread's A fragment of one k-block (16 k) of an m64k16 wgmma holds 8
+// values: rows r = lane / 4 and r + 8 (of its warp's 16), k = 2 (lane % 4) + {0, 1} and
+// + 8, as 4 words (r: 0, 2; r + 8: 1, 3). A 32-element block is two k-blocks (2j, 2j + 1)
+// of the 4 lanes that share a row: k-block 2j computes the block amax (its own 8 values of
+// each row and those of k-block 2j + 1, both in registers by then: the mainloop loads two
+// k-blocks ahead), reduces it over the 4 lanes (two xor shuffles) and keeps the two rows'
+// scales for k-block 2j + 1.
+template <>
+struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identity>> {
+  template <class ThreadMma, class TensorStorage>
+  CUTLASS_DEVICE static auto partition_extra_mma_info(ThreadMma const&, TensorStorage&) {
+    return cute::make_tuple(cutlass::Array<float, 4>{});  // 2^-e and 2^e of rows r and r + 8
+  }
+  template <class TiledMma, class... Ts>
+  CUTLASS_DEVICE static auto retile_extra_mma_info(TiledMma const&, cute::tuple<Ts...>&, int const) {
+    return cute::make_tuple();
+  }
+  template <class EngineIn, class EngineOut, class LayoutIn, class LayoutOut, class... Ts>
+  CUTLASS_DEVICE static void dequantize_A_kblock(Tensor<EngineIn, LayoutIn> const& tCrA_load,
+                                                 Tensor<EngineOut, LayoutOut>& tCrA_mma,
+                                                 cute::tuple<Ts...>& extra, int const k_block) {
+    static_assert(decltype(size(tCrA_load(_, _, 0)))::value == 8, "one m64 atom per thread along M");
+    static_assert(decltype(size<2>(tCrA_load))::value % 2 == 0, "k-blocks come in pairs (32-element blocks)");
+    auto& s = cute::get<0>(extra);
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(raw_pointer_cast(tCrA_load.data()));
+    uint32_t* q = reinterpret_cast<uint32_t*>(raw_pointer_cast(tCrA_mma.data())) + 4 * k_block;
+    const uint32_t* w = a + 4 * k_block;
+    if ((k_block & 1) == 0) {
+      const uint32_t* v = w + 4;  // k-block 2j + 1
+      constexpr uint32_t M = 0x7FFF7FFFu;
+      uint32_t rg = mxq::vmax2(mxq::vmax2(w[0] & M, w[2] & M), mxq::vmax2(v[0] & M, v[2] & M));
+      uint32_t rh = mxq::vmax2(mxq::vmax2(w[1] & M, w[3] & M), mxq::vmax2(v[1] & M, v[3] & M));
+      uint32_t m = mxq::vmax2(__byte_perm(rg, rh, 0x5410), __byte_perm(rg, rh, 0x7632));
+      m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+      mxq::block_scale(m & 0xFFFFu, s[0], s[1]);
+      mxq::block_scale(m >> 16, s[2], s[3]);
+    }
+    q[0] = mxq::qdq_pair(w[0], s[0], s[1]);
+    q[1] = mxq::qdq_pair(w[1], s[2], s[3]);
+    q[2] = mxq::qdq_pair(w[2], s[0], s[1]);
+    q[3] = mxq::qdq_pair(w[3], s[2], s[3]);
+  }
+};
+}  // namespace cutlass::gemm::collective::detail
+#endif
+
+namespace {
 using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 using StrideA = typename Kernel::InternalStrideA;
@@ -158,5 +313,6 @@ int CAT(NAME, _run)(void* problems, void* pa, void* pb, void* ps, void* pd, int 
   return 0;
 }
 
+static_assert(sizeof(typename Kernel::SharedStorage) <= 232448, "shared memory of sm90 exceeded: fewer STAGES");
 int CAT(NAME, _smem)() { return int(sizeof(typename Kernel::SharedStorage)); }
 }
