@@ -65,7 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e,q3a,q3b,q3c")
+    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e,q3a,q3b,q3c,q4a,q4c,q4p")
     ap.add_argument("--shapes", default="all", help="'all' or 'none' (only the exactness checks)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -120,7 +120,7 @@ def main() -> int:
         checks = {}
         for n in names:
             fp8 = n.startswith("m")
-            wop = w if n.startswith("q3") else codes if fp8 else wq
+            wop = w if n.startswith(("q3", "q4")) else codes if fp8 else wq
             out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
             pa = pointer_arrays(wop, torch.arange(E, device=dev), N * K) if not fp8 else \
                 codes.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K)
@@ -143,7 +143,7 @@ def main() -> int:
                     raise RuntimeError(f"{n}: setup returned {rc}")
                 run()
                 torch.cuda.synchronize()
-                if n.startswith("v0") or n.startswith("q3"):
+                if n.startswith(("v0", "q3", "q4")):
                     want = ref_a
                 elif n.startswith("m1"):
                     want = grouped_mm_nt(xq, codes.to(torch.bfloat16), offs)
@@ -155,7 +155,7 @@ def main() -> int:
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
                 t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
-                if n.startswith("q3"):
+                if n.startswith(("q3", "q4")):
                     starts64 = starts.to(torch.int64)
 
                     def per_call(n=n, keep=keep):  # the forward as it would run: x pass, then the GEMM
@@ -191,8 +191,8 @@ def main() -> int:
         for n, c in checks.items():
             print(f"  check {n}: {c}")
         sys.stdout.flush()
-    exact = exactness(lib, [n for n in names if n.startswith("q3")], recipe) if any(
-        n.startswith("q3") for n in names) else {}
+    exact = exactness(lib, [n for n in names if n.startswith(("q3", "q4"))], recipe) if any(
+        n.startswith(("q3", "q4")) for n in names) else {}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"info": info, "rows": rows, "exactness": exact}, f, indent=1)

@@ -149,3 +149,46 @@ def test_every_design_refuses_offsets_that_do_not_fit(design):
         fwd(x, w, torch.tensor([4], dtype=torch.int32))
     with pytest.raises(TypeError, match="int32"):
         fwd(x, w, torch.tensor([4.0]))
+
+
+# ---- design (g) (benchmarks/cutlass_mixed/grouped_mixed.cu): the integer scale exponent ----
+CUTLASS_SRC = Path(__file__).resolve().parents[1] / "benchmarks" / "cutlass_mixed" / "grouped_mixed.cu"
+
+
+def _integer_scale_exp(amax16: torch.Tensor, emax: int, mode: str) -> torch.Tensor:
+    """The rule of grouped_mixed.cu's scale_exp (QDQ 2) for sign-cleared bf16 amax bit
+    patterns: e = EA - 127 - emax (+ 1 in rceil mode when the mantissa is above 0x60, the
+    mantissa of 1.75), clamped to [-127, 127]."""
+    a = amax16.to(torch.int64)
+    e = (a >> 7) - (127 + emax)
+    if mode == "rceil":
+        e = e + ((a & 0x7F) > 0x60).to(torch.int64)
+    return e.clamp(-127, 127)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_design_g_integer_scale_matches_the_reference_for_every_bf16_amax(fmt, mode):
+    """Every sign-cleared bf16 bit pattern as a block amax: the kernel's integer exponent
+    gives the E8M0 byte of mxmoe's reference rule (float32 amax * float32(1 / max) in rceil
+    mode), NaN (255) for the non-finite patterns."""
+    from mxmoe.numerics.formats import ElemFormat, ScaleMode
+    from mxmoe.numerics.reference import torch_mx_scale_bits
+
+    fmt_e, mode_e = ElemFormat(fmt), ScaleMode(mode)
+    pat = torch.arange(0, 0x8000, dtype=torch.int32)
+    amax = (pat << 16).view(torch.float32)
+    want = torch_mx_scale_bits(amax, fmt_e, mode_e).to(torch.int64)
+    e = _integer_scale_exp(pat, fmt_e.spec.emax_elem, mode)
+    got = torch.where(pat >= 0x7F80, torch.full_like(e, 255), e + 127)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} amax patterns differ, first {[hex(int(p)) for p in pat[bad[:5]]]}"
+
+
+def test_design_g_source_carries_the_checked_rule():
+    """The CUDA source holds the rule the test above checks (a change to one without the
+    other fails here)."""
+    src = CUTLASS_SRC.read_text()
+    assert "int(amax16 >> 7) - (127 + kEmax) + ((amax16 & 0x7Fu) > 0x60u ? 1 : 0)" in src
+    assert "int(amax16 >> 7) - (127 + kEmax);" in src
+    assert "e = min(max(e, -127), 127);" in src

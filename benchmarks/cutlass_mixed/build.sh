@@ -10,7 +10,7 @@ OUT=${1:?usage: build.sh OUT.so}
 CUTLASS_DIR=${CUTLASS_DIR:-/tmp/cutlass/cutlass_library/source}
 HERE=$(cd "$(dirname "$0")" && pwd)
 TMP=$(mktemp -d)
-# name variant TM TN TK CM [STAGES of variant 3] (see grouped_mixed.cu)
+# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] (see grouped_mixed.cu)
 VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
 v0b 0 128 128 64 1
 m1a 1 128 256 64 2
@@ -18,15 +18,18 @@ m1b 1 128 128 64 1
 m2a 2 128 128 64 1
 m2b 2 128 256 64 2
 m2e 2 128 128 64 2
-q3a 3 128 256 64 2 4
-q3b 3 128 128 64 2 6
-q3c 3 128 256 64 1 4"}
+q3a 3 128 256 64 2 4 1 0
+q3b 3 128 128 64 2 6 1 0
+q3c 3 128 256 64 1 4 1 0
+q4a 3 128 256 64 2 4 2 0
+q4c 3 128 256 64 1 4 2 0
+q4p 3 64 256 64 1 5 2 1"}
 objs=()
-while read -r name v tm tn tk cm st; do
+while read -r name v tm tn tk cm st qdq pp; do
   [ -z "$name" ] && continue
   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
     -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
-    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" \
+    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" \
     -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
   objs+=("$TMP/$name.o")
 done <<< "$VARIANTS"

@@ -57,8 +57,13 @@ constexpr int AlignX = 8;
 constexpr int AlignD = 8;
 using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
 using ClusterShape = Shape<Int<CM>, _1, _1>;
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+#ifndef PINGPONG
+#define PINGPONG 0  // 1: one warpgroup per (TM = 64) tile, two tiles in flight per CTA
+#endif
+using KernelSchedule = cute::conditional_t<PINGPONG, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+using EpilogueSchedule = cute::conditional_t<PINGPONG, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                             cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -74,7 +79,8 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
 struct QdqTransform {};
 namespace cd = cutlass::gemm::collective::detail;
 using TiledMmaQ = decltype(cute::make_tiled_mma(
-    cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>(), Layout<Shape<_2, _1, _1>>{}));
+    cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>(),
+    Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
 using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
 using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
 #ifndef STAGES
@@ -148,6 +154,79 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
   sc = __uint_as_float(s);
 }
 
+#ifndef QDQ
+#define QDQ 2  // 1: the float32 arithmetic of design (e); 2: fewer instructions (below)
+#endif
+
+// QDQ 2: the scale exponent in integer arithmetic (rceil: e = EA - 127 - emax + (MA > 0x60)
+// for the amax's bf16 exponent field EA and mantissa MA, clamped to [-127, 127]: equal to
+// the float32 rule of block_scale for every finite bf16 amax, both formats, checked
+// exhaustively on the CPU: tests/test_wq_prototypes.py), and the multiplies by 2^-e and 2^e
+// in bf16x2 (exact: powers of two, no result below bf16's normal range where it matters).
+// Rows with e < -117 (dequantized values could be bf16 subnormals) take QDQ 1's float32
+// multiply back.
+__device__ __forceinline__ int scale_exp(uint32_t amax16, bool& nf) {
+  nf = amax16 >= 0x7F80u;
+#if MODE == 1
+  int e = int(amax16 >> 7) - (127 + kEmax);
+#else
+  int e = int(amax16 >> 7) - (127 + kEmax) + ((amax16 & 0x7Fu) > 0x60u ? 1 : 0);
+#endif
+  e = min(max(e, -127), 127);
+  return nf ? 0 : e;
+}
+
+struct RowScale {
+  uint32_t inv2;  // bf16x2 2^-e
+  uint32_t sc2;   // bf16x2 2^e (NaN for a non-finite block)
+  float sc;       // float32 2^e for the rows with e < -117
+  bool slow;
+};
+
+__device__ __forceinline__ RowScale row_scale(uint32_t amax16) {
+  bool nf;
+  const int e = scale_exp(amax16, nf);
+  RowScale r;
+  r.inv2 = (uint32_t(127 - e) << 7) * 0x10001u;
+  r.sc2 = nf ? 0x7FC07FC0u : (uint32_t(127 + e) << 7) * 0x10001u;
+  uint32_t s = uint32_t(e + 127) << 23;
+  if (e < -126) s = 0x400000u;
+  r.sc = __uint_as_float(s);
+  r.slow = e < -117 && !nf;
+  return r;
+}
+
+__device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
+  uint32_t v;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(r.inv2));
+  const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
+  unsigned short h;
+#if FMT == 0
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#else
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#endif
+  uint32_t g;
+#if FMT == 0
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
+#else
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
+#endif
+  float y0 = __half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu)));
+  float y1 = __half2float(__ushort_as_half((unsigned short)(g >> 16)));
+  uint32_t out;
+  if (r.slow) {
+    y0 = __fmul_rn(y0, r.sc);
+    y1 = __fmul_rn(y1, r.sc);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
+  } else {
+    uint32_t b;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(y1), "f"(y0));
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(b), "r"(r.sc2));
+  }
+  return out;
+}
+
 __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
   const float x0 = __fmul_rn(__uint_as_float(x << 16), inv);
   const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
@@ -184,7 +263,11 @@ template <>
 struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identity>> {
   template <class ThreadMma, class TensorStorage>
   CUTLASS_DEVICE static auto partition_extra_mma_info(ThreadMma const&, TensorStorage&) {
+#if QDQ == 2
+    return cute::make_tuple(cutlass::Array<mxq::RowScale, 2>{});  // rows r and r + 8
+#else
     return cute::make_tuple(cutlass::Array<float, 4>{});  // 2^-e and 2^e of rows r and r + 8
+#endif
   }
   template <class TiledMma, class... Ts>
   CUTLASS_DEVICE static auto retile_extra_mma_info(TiledMma const&, cute::tuple<Ts...>&, int const) {
@@ -196,7 +279,11 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
                                                  cute::tuple<Ts...>& extra, int const k_block) {
     static_assert(decltype(size(tCrA_load(_, _, 0)))::value == 8, "one m64 atom per thread along M");
     static_assert(decltype(size<2>(tCrA_load))::value % 2 == 0, "k-blocks come in pairs (32-element blocks)");
+#if QDQ == 2
+    auto& rs = cute::get<0>(extra);
+#else
     auto& s = cute::get<0>(extra);
+#endif
     const uint32_t* a = reinterpret_cast<const uint32_t*>(raw_pointer_cast(tCrA_load.data()));
     uint32_t* q = reinterpret_cast<uint32_t*>(raw_pointer_cast(tCrA_mma.data())) + 4 * k_block;
     const uint32_t* w = a + 4 * k_block;
@@ -208,13 +295,25 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
       uint32_t m = mxq::vmax2(__byte_perm(rg, rh, 0x5410), __byte_perm(rg, rh, 0x7632));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+#if QDQ == 2
+      rs[0] = mxq::row_scale(m & 0xFFFFu);
+      rs[1] = mxq::row_scale(m >> 16);
+#else
       mxq::block_scale(m & 0xFFFFu, s[0], s[1]);
       mxq::block_scale(m >> 16, s[2], s[3]);
+#endif
     }
+#if QDQ == 2
+    q[0] = mxq::qdq_pair2(w[0], rs[0]);
+    q[1] = mxq::qdq_pair2(w[1], rs[1]);
+    q[2] = mxq::qdq_pair2(w[2], rs[0]);
+    q[3] = mxq::qdq_pair2(w[3], rs[1]);
+#else
     q[0] = mxq::qdq_pair(w[0], s[0], s[1]);
     q[1] = mxq::qdq_pair(w[1], s[2], s[3]);
     q[2] = mxq::qdq_pair(w[2], s[0], s[1]);
     q[3] = mxq::qdq_pair(w[3], s[2], s[3]);
+#endif
   }
 };
 }  // namespace cutlass::gemm::collective::detail
