@@ -16,7 +16,10 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
 - ``q3*``: the raw bf16 W, quantized to MXFP8 (E4M3, rceil) and dequantized in registers
   inside the mainloop (design (g)): no pass over the weight. Checked bit for bit against
   design (a) (the quantize passes, then the bf16 GEMM), and timed per call as the forward
-  runs it: the x pass, then this GEMM.
+  runs it: the x pass, then this GEMM. ``q0*`` / ``q5*``: the same kernel with the raw
+  weight into the MMA (no quantization / only the block amax and scales): timing
+  references that split design (g)'s time, not results (compared with the GEMM on the raw
+  weight).
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
@@ -65,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,v0b,m1a,m1b,m2a,m2b,m2e,q3a,q3b,q3c,q4a,q4c,q4p")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q0c,q5c")
     ap.add_argument("--shapes", default="all", help="'all' or 'none' (only the exactness checks)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -120,7 +123,7 @@ def main() -> int:
         checks = {}
         for n in names:
             fp8 = n.startswith("m")
-            wop = w if n.startswith(("q3", "q4")) else codes if fp8 else wq
+            wop = w if n.startswith("q") else codes if fp8 else wq
             out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
             pa = pointer_arrays(wop, torch.arange(E, device=dev), N * K) if not fp8 else \
                 codes.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K)
@@ -145,6 +148,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 if n.startswith(("v0", "q3", "q4")):
                     want = ref_a
+                elif n.startswith(("q0", "q5")):
+                    want = grouped_mm_nt(xq, w, offs)
                 elif n.startswith("m1"):
                     want = grouped_mm_nt(xq, codes.to(torch.bfloat16), offs)
                 else:
