@@ -68,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q0c,q5c")
+    ap.add_argument("--variants", default="v0a,m1a,q3c,q4c,q0c,q5c,q6c,q6a")
     ap.add_argument("--shapes", default="all", help="'all' or 'none' (only the exactness checks)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -146,7 +146,7 @@ def main() -> int:
                     raise RuntimeError(f"{n}: setup returned {rc}")
                 run()
                 torch.cuda.synchronize()
-                if n.startswith(("v0", "q3", "q4")):
+                if n.startswith(("v0", "q3", "q4", "q6")):
                     want = ref_a
                 elif n.startswith(("q0", "q5")):
                     want = grouped_mm_nt(xq, w, offs)
@@ -160,7 +160,7 @@ def main() -> int:
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
                 t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
-                if n.startswith(("q3", "q4")):
+                if n.startswith(("q3", "q4", "q6")):
                     starts64 = starts.to(torch.int64)
 
                     def per_call(n=n, keep=keep):  # the forward as it would run: x pass, then the GEMM
@@ -196,8 +196,8 @@ def main() -> int:
         for n, c in checks.items():
             print(f"  check {n}: {c}")
         sys.stdout.flush()
-    exact = exactness(lib, [n for n in names if n.startswith(("q3", "q4"))], recipe) if any(
-        n.startswith(("q3", "q4")) for n in names) else {}
+    exact = exactness(lib, [n for n in names if n.startswith(("q3", "q4", "q6"))], recipe) if any(
+        n.startswith(("q3", "q4", "q6")) for n in names) else {}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"info": info, "rows": rows, "exactness": exact}, f, indent=1)
@@ -230,7 +230,8 @@ def run_grouped(lib, n: str, xq: torch.Tensor, w: torch.Tensor, offs: torch.Tens
 
 def exactness(lib, names: list[str], recipe) -> dict:
     """The q3 variants against design (a): the quantized weight value for value through
-    one-hot tokens (blocks of every binade, e4m3 subnormals, ties, near the bf16 maximum,
+    one-hot tokens (blocks of every binade, E4M3 subnormal codes and their ties, ties at the
+    grid, the subnormal-scale block, near the bf16 maximum,
     non-finite blocks), then ragged groups bit for bit (K % 64 != 0, N not a multiple of
     the tile; empty groups last, in case the grouped scheduler cannot take them)."""
     from mxmoe.ops.gemm import grouped_mm_nt
@@ -246,6 +247,9 @@ def exactness(lib, names: list[str], recipe) -> dict:
     w[0, 0, :32] = 448.0 * torch.exp2(torch.tensor(-140.0))  # subnormal block
     w[0, 1, :32] = torch.tensor([1.0, 1.0625, 1.125, 1.1875] * 8) * 256  # ties at the e4m3 grid
     w[0, 2, :32] = 3.0e38  # near the bf16 maximum
+    sub = torch.cat([torch.tensor([448.0]), torch.arange(1, 32) * 2.0 ** -10])  # E4M3 subnormals and their ties
+    w[0, 6, :32] = sub
+    w[0, 7, 32:64] = -sub
     w = w.to(bf)
     w[0, 3, 5] = float("inf")
     w[0, 4, 40] = float("nan")

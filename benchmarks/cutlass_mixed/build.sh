@@ -26,7 +26,9 @@ q4c 3 128 256 64 1 4 2 0
 q4p 3 64 256 64 1 5 2 1
 q4t 3 128 160 64 1 5 2 0
 q0c 3 128 256 64 1 4 0 0
-q5c 3 128 256 64 1 4 3 0"}
+q5c 3 128 256 64 1 4 3 0
+q6c 3 128 256 64 1 4 4 0
+q6a 3 128 256 64 2 4 4 0"}
 objs=()
 while read -r name v tm tn tk cm st qdq pp; do
   [ -z "$name" ] && continue

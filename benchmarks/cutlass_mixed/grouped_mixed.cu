@@ -155,7 +155,7 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
 }
 
 #ifndef QDQ
-#define QDQ 2  // 1: the float32 arithmetic of design (e); 2: fewer instructions (below);
+#define QDQ 4  // 1: the float32 arithmetic of design (e); 2: fewer instructions (below);
                 // timing references, not results: 0 the raw weight into the MMA (no
                 // quantization), 3 the block amax and scales but the raw weight into the MMA
 
@@ -230,6 +230,69 @@ __device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
   return out;
 }
 
+// QDQ 4: QDQ 2 with the decode of the two E4M3/E5M2 codes done in integer arithmetic
+// instead of cvt (the float conversions of QDQ 1 and 2, three per pair, share one slow
+// pipe: QDQ 2's fewer instructions ran no faster). A code's exponent and mantissa bits
+// placed in a bf16's (E4M3 at bits 4..10, E5M2 at 5..11) read as the code's value times
+// 2^-(127 - bias), subnormal codes included (bf16 subnormals); one bf16x2 multiply by
+// 2^(127 - bias + e) then gives the dequantized value, exact where 2^(127 - bias + e) is
+// a bf16 and the smallest nonzero result is normal; other rows take QDQ 1's float path.
+constexpr int kBias = FMT == 0 ? 7 : 15;
+constexpr int kShift = FMT == 0 ? 4 : 3;
+constexpr uint32_t kMagMask = FMT == 0 ? 0x07F007F0u : 0x0FE00FE0u;
+constexpr int kFastMin = FMT == 0 ? -117 : -110;  // smallest subnormal code * 2^e >= 2^-126
+
+struct RowScale4 {
+  uint32_t inv2;  // bf16x2 2^-e
+  uint32_t sc2;   // bf16x2 2^(127 - bias + e) (NaN for a non-finite block)
+  float sc;       // float32 2^e for the slow rows
+  bool slow;
+};
+
+__device__ __forceinline__ RowScale4 row_scale4(uint32_t amax16) {
+  bool nf;
+  const int e = scale_exp(amax16, nf);
+  RowScale4 r;
+  r.inv2 = (uint32_t(127 - e) << 7) * 0x10001u;
+  r.slow = !nf && (e < kFastMin || e > kBias);
+  r.sc2 = nf ? 0x7FC07FC0u : (uint32_t((127 - kBias + e) & 0xFF) << 7) * 0x10001u;
+  uint32_t s = uint32_t(e + 127) << 23;
+  if (e < -126) s = 0x400000u;
+  r.sc = __uint_as_float(s);
+  return r;
+}
+
+__device__ __forceinline__ uint32_t qdq_pair4(uint32_t x, const RowScale4& r) {
+  uint32_t v;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(r.inv2));
+  const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
+  unsigned short h;
+#if FMT == 0
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#else
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#endif
+  uint32_t out;
+  if (r.slow) {
+    uint32_t g;
+#if FMT == 0
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
+#else
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
+#endif
+    const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), r.sc);
+    const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), r.sc);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
+  } else {
+    const uint32_t y8 = __byte_perm(uint32_t(h), 0u, 0x1404);  // code 0 in byte 1, code 1 in byte 3
+    const uint32_t mag = (y8 >> kShift) & kMagMask;
+    uint32_t p;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(mag), "r"(r.sc2));
+    out = p | (y8 & 0x80008000u);
+  }
+  return out;
+}
+
 __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
   const float x0 = __fmul_rn(__uint_as_float(x << 16), inv);
   const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
@@ -266,7 +329,9 @@ template <>
 struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identity>> {
   template <class ThreadMma, class TensorStorage>
   CUTLASS_DEVICE static auto partition_extra_mma_info(ThreadMma const&, TensorStorage&) {
-#if QDQ >= 2 || QDQ == 0
+#if QDQ == 4
+    return cute::make_tuple(cutlass::Array<mxq::RowScale4, 2>{});  // rows r and r + 8
+#elif QDQ >= 2 || QDQ == 0
     return cute::make_tuple(cutlass::Array<mxq::RowScale, 2>{});  // rows r and r + 8
 #else
     return cute::make_tuple(cutlass::Array<float, 4>{});  // 2^-e and 2^e of rows r and r + 8
@@ -304,7 +369,10 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
       uint32_t m = mxq::vmax2(__byte_perm(rg, rh, 0x5410), __byte_perm(rg, rh, 0x7632));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-#if QDQ >= 2
+#if QDQ == 4
+      rs[0] = mxq::row_scale4(m & 0xFFFFu);
+      rs[1] = mxq::row_scale4(m >> 16);
+#elif QDQ >= 2
       rs[0] = mxq::row_scale(m & 0xFFFFu);
       rs[1] = mxq::row_scale(m >> 16);
 #else
@@ -316,6 +384,11 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
     // the scales computed (an empty volatile asm uses them), the raw weight into the MMA
     asm volatile("" :: "r"(rs[0].inv2), "r"(rs[0].sc2), "r"(rs[1].inv2), "r"(rs[1].sc2));
     for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(q[i]) : "r"(w[i]), "r"(0x3F803F80u));
+#elif QDQ == 4
+    q[0] = mxq::qdq_pair4(w[0], rs[0]);
+    q[1] = mxq::qdq_pair4(w[1], rs[1]);
+    q[2] = mxq::qdq_pair4(w[2], rs[0]);
+    q[3] = mxq::qdq_pair4(w[3], rs[1]);
 #elif QDQ == 2
     q[0] = mxq::qdq_pair2(w[0], rs[0]);
     q[1] = mxq::qdq_pair2(w[1], rs[1]);
