@@ -192,3 +192,22 @@ def test_design_g_source_carries_the_checked_rule():
     assert "int(amax16 >> 7) - (127 + kEmax) + ((amax16 & 0x7Fu) > 0x60u ? 1 : 0)" in src
     assert "int(amax16 >> 7) - (127 + kEmax);" in src
     assert "e = min(max(e, -127), 127);" in src
+
+
+@pytest.mark.parametrize("fmt, shift, mask, bias", [("e4m3", 4, 0x07F0, 7), ("e5m2", 3, 0x0FE0, 15)])
+def test_design_g_code_bits_in_bf16_positions_read_as_value_times_power_of_two(fmt, shift, mask, bias):
+    """QDQ 4's decode (grouped_mixed.cu decode_fast): a code byte placed at bits 8..15,
+    shifted right by ``shift`` and masked, read as a bf16 magnitude, is |code value| *
+    2^-(127 - bias) for every finite code, subnormal codes included; the sign is bit 15."""
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32)
+    val = codes.to(torch.uint8).view(dt).to(torch.float64)
+    finite = val.isfinite()
+    y8 = codes << 8
+    mag = ((y8 >> shift) & mask).to(torch.int16).view(torch.bfloat16).to(torch.float64)
+    got = torch.where((y8 & 0x8000) != 0, -mag, mag) * 2.0 ** (127 - bias)
+    assert torch.equal(got[finite], val[finite])
+    src = CUTLASS_SRC.read_text()
+    assert f"kShift = FMT == 0 ? 4 : 3" in src and "kMagMask = FMT == 0 ? 0x07F007F0u : 0x0FE00FE0u" in src
+    assert "kBias = FMT == 0 ? 7 : 15" in src and "__byte_perm(uint32_t(h), 0u, 0x1404)" in src
+    assert "(254 - kBias + e)" in src  # the bf16 exponent field of 2^(127 - bias + e)

@@ -155,7 +155,7 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
 }
 
 #ifndef QDQ
-#define QDQ 4  // 1: the float32 arithmetic of design (e); 2: fewer instructions (below);
+#define QDQ 4  // 1: the float32 arithmetic of design (e); 2: fewer instructions; 4: no float conversion in the decode (below);
                 // timing references, not results: 0 the raw weight into the MMA (no
                 // quantization), 3 the block amax and scales but the raw weight into the MMA
 
@@ -246,7 +246,7 @@ struct RowScale4 {
   uint32_t inv2;  // bf16x2 2^-e
   uint32_t sc2;   // bf16x2 2^(127 - bias + e) (NaN for a non-finite block)
   float sc;       // float32 2^e for the slow rows
-  bool slow;
+  bool slow;      // 2^(127 - bias + e) is no bf16, or the smallest nonzero result would be subnormal
 };
 
 __device__ __forceinline__ RowScale4 row_scale4(uint32_t amax16) {
@@ -255,16 +255,18 @@ __device__ __forceinline__ RowScale4 row_scale4(uint32_t amax16) {
   RowScale4 r;
   r.inv2 = (uint32_t(127 - e) << 7) * 0x10001u;
   r.slow = !nf && (e < kFastMin || e > kBias);
-  r.sc2 = nf ? 0x7FC07FC0u : (uint32_t((127 - kBias + e) & 0xFF) << 7) * 0x10001u;
+  // the bf16 exponent field of 2^(127 - bias + e): 254 - bias + e, in [1, 254] when fast
+  r.sc2 = nf ? 0x7FC07FC0u : (uint32_t((254 - kBias + e) & 0xFF) << 7) * 0x10001u;
   uint32_t s = uint32_t(e + 127) << 23;
   if (e < -126) s = 0x400000u;
   r.sc = __uint_as_float(s);
   return r;
 }
 
-__device__ __forceinline__ uint32_t qdq_pair4(uint32_t x, const RowScale4& r) {
+// the pair's two codes (cvt.rn.satfinite from the values times 2^-e, a bf16x2 multiply: exact)
+__device__ __forceinline__ unsigned short encode_pair(uint32_t x, uint32_t inv2) {
   uint32_t v;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(r.inv2));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(inv2));
   const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
   unsigned short h;
 #if FMT == 0
@@ -272,24 +274,30 @@ __device__ __forceinline__ uint32_t qdq_pair4(uint32_t x, const RowScale4& r) {
 #else
   asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
 #endif
-  uint32_t out;
-  if (r.slow) {
-    uint32_t g;
+  return h;
+}
+
+// fast decode: the codes' bits into bf16 positions, one bf16x2 multiply, the signs back
+__device__ __forceinline__ uint32_t decode_fast(unsigned short h, uint32_t sc2) {
+  const uint32_t y8 = __byte_perm(uint32_t(h), 0u, 0x1404);  // code 0 in byte 1, code 1 in byte 3
+  const uint32_t mag = (y8 >> kShift) & kMagMask;
+  uint32_t p;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(mag), "r"(sc2));
+  return p | (y8 & 0x80008000u);
+}
+
+// slow decode (any row): cvt to f16x2, float32 multiply by 2^e, bf16 pack
+__device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
+  uint32_t g;
 #if FMT == 0
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
 #else
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
 #endif
-    const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), r.sc);
-    const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), r.sc);
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
-  } else {
-    const uint32_t y8 = __byte_perm(uint32_t(h), 0u, 0x1404);  // code 0 in byte 1, code 1 in byte 3
-    const uint32_t mag = (y8 >> kShift) & kMagMask;
-    uint32_t p;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(mag), "r"(r.sc2));
-    out = p | (y8 & 0x80008000u);
-  }
+  const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
+  const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
+  uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
   return out;
 }
 
@@ -330,7 +338,8 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
   template <class ThreadMma, class TensorStorage>
   CUTLASS_DEVICE static auto partition_extra_mma_info(ThreadMma const&, TensorStorage&) {
 #if QDQ == 4
-    return cute::make_tuple(cutlass::Array<mxq::RowScale4, 2>{});  // rows r and r + 8
+    // rows r and r + 8, and whether a lane of the warp has a slow row (element 2's .slow)
+    return cute::make_tuple(cutlass::Array<mxq::RowScale4, 3>{});
 #elif QDQ >= 2 || QDQ == 0
     return cute::make_tuple(cutlass::Array<mxq::RowScale, 2>{});  // rows r and r + 8
 #else
@@ -372,6 +381,7 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
 #if QDQ == 4
       rs[0] = mxq::row_scale4(m & 0xFFFFu);
       rs[1] = mxq::row_scale4(m >> 16);
+      rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);  // one branch per warp
 #elif QDQ >= 2
       rs[0] = mxq::row_scale(m & 0xFFFFu);
       rs[1] = mxq::row_scale(m >> 16);
@@ -385,10 +395,15 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
     asm volatile("" :: "r"(rs[0].inv2), "r"(rs[0].sc2), "r"(rs[1].inv2), "r"(rs[1].sc2));
     for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(q[i]) : "r"(w[i]), "r"(0x3F803F80u));
 #elif QDQ == 4
-    q[0] = mxq::qdq_pair4(w[0], rs[0]);
-    q[1] = mxq::qdq_pair4(w[1], rs[1]);
-    q[2] = mxq::qdq_pair4(w[2], rs[0]);
-    q[3] = mxq::qdq_pair4(w[3], rs[1]);
+    const unsigned short h0 = mxq::encode_pair(w[0], rs[0].inv2), h1 = mxq::encode_pair(w[1], rs[1].inv2);
+    const unsigned short h2 = mxq::encode_pair(w[2], rs[0].inv2), h3 = mxq::encode_pair(w[3], rs[1].inv2);
+    if (rs[2].slow) {
+      q[0] = mxq::decode_slow(h0, rs[0].sc); q[1] = mxq::decode_slow(h1, rs[1].sc);
+      q[2] = mxq::decode_slow(h2, rs[0].sc); q[3] = mxq::decode_slow(h3, rs[1].sc);
+    } else {
+      q[0] = mxq::decode_fast(h0, rs[0].sc2); q[1] = mxq::decode_fast(h1, rs[1].sc2);
+      q[2] = mxq::decode_fast(h2, rs[0].sc2); q[3] = mxq::decode_fast(h3, rs[1].sc2);
+    }
 #elif QDQ == 2
     q[0] = mxq::qdq_pair2(w[0], rs[0]);
     q[1] = mxq::qdq_pair2(w[1], rs[1]);
