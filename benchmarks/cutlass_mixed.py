@@ -68,8 +68,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,q3c,q4c,q0c,q5c,q6c,q6a")
-    ap.add_argument("--shapes", default="all", help="'all' or 'none' (only the exactness checks)")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c")
+    ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
+                    "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
+    ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark runs on the H200", file=sys.stderr)
@@ -96,7 +98,11 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     recipe = get_recipe("mxfp8")
     rows = []
-    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)] if args.shapes == "all" else []
+    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
+    if args.shapes == "none":
+        cases = []
+    elif args.shapes != "all":
+        cases = [cases[int(i)] for i in args.shapes.split(",")]
     for (T, K, N, E), skewed in cases:
         sizes = group_sizes(T, E, skewed)
         dev = torch.device("cuda")
@@ -196,8 +202,7 @@ def main() -> int:
         for n, c in checks.items():
             print(f"  check {n}: {c}")
         sys.stdout.flush()
-    exact = exactness(lib, [n for n in names if n.startswith(("q3", "q4", "q6"))], recipe) if any(
-        n.startswith(("q3", "q4", "q6")) for n in names) else {}
+    exact = {} if args.no_exact else exactness(lib, [n for n in names if n.startswith(("q3", "q4", "q6"))], recipe)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"info": info, "rows": rows, "exactness": exact}, f, indent=1)

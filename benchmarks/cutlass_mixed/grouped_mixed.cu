@@ -1,5 +1,7 @@
-// CUTLASS sm90 grouped (ptr-array) GEMMs for the design (b) experiment of issue 4
-// (benchmarks/cutlass_mixed.py builds and times them; benchmarks/NOTES.md, session 13).
+// CUTLASS 4.2 sm90 grouped (ptr-array) GEMMs of issue 4, session 13: design (b) with
+// CUTLASS's mixed-input mainloop, and design (g), the MXFP8 weight quantization inside it
+// (benchmarks/cutlass_mixed.py times and checks them; benchmarks/NOTES.md, session 13).
+// Experimental: the library does not use them.
 //
 // Per expert g (a group): D_g (Nout x S_g) = W_g (Nout x K) . X_g^T, W the expert weight
 // (the register operand A, K-major), X_g the expert's S_g token rows (B, K-major), D_g
@@ -14,8 +16,9 @@
 //   3  the raw bf16 weight, quantized to MXFP8 (E4M3, 32-element blocks along K, FMT / MODE)
 //      and dequantized in registers inside the mainloop: CUTLASS's mixed-input
 //      register-operand (RS) mainloop with the weight carried as a 16-bit type and its
-//      per-k-block conversion replaced by the block quantization (qdq_kblock below);
-//      exact: the values of design (a)'s quantize pass
+//      per-k-block conversion replaced by the block quantization (the MixedInputUtils
+//      specialization below; QDQ picks its arithmetic); exact: the values of design
+//      (a)'s quantize pass, bit for bit
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
 // device pointers only (no host synchronization).
@@ -154,11 +157,12 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
   sc = __uint_as_float(s);
 }
 
+// QDQ: 1 the float32 arithmetic of design (e); 2 (default) fewer instructions; 4 no float
+// conversion in the decode (exact, but slower on the H200: NOTES.md); timing references,
+// not results: 0 the raw weight into the MMA (no quantization), 3 the block amax and
+// scales computed, the raw weight into the MMA.
 #ifndef QDQ
-#define QDQ 4  // 1: the float32 arithmetic of design (e); 2: fewer instructions; 4: no float conversion in the decode (below);
-                // timing references, not results: 0 the raw weight into the MMA (no
-                // quantization), 3 the block amax and scales but the raw weight into the MMA
-
+#define QDQ 2
 #endif
 
 // QDQ 2: the scale exponent in integer arithmetic (rceil: e = EA - 127 - emax + (MA > 0x60)
@@ -231,8 +235,8 @@ __device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
 }
 
 // QDQ 4: QDQ 2 with the decode of the two E4M3/E5M2 codes done in integer arithmetic
-// instead of cvt (the float conversions of QDQ 1 and 2, three per pair, share one slow
-// pipe: QDQ 2's fewer instructions ran no faster). A code's exponent and mantissa bits
+// instead of cvt (tried because QDQ 2's fewer instructions ran no faster than QDQ 1, on the
+// guess that the three float conversions per pair share a slow pipe; QDQ 4 ran 8% slower). A code's exponent and mantissa bits
 // placed in a bf16's (E4M3 at bits 4..10, E5M2 at 5..11) read as the code's value times
 // 2^-(127 - bias), subnormal codes included (bf16 subnormals); one bf16x2 multiply by
 // 2^(127 - bias + e) then gives the dequantized value, exact where 2^(127 - bias + e) is
@@ -259,6 +263,7 @@ __device__ __forceinline__ RowScale4 row_scale4(uint32_t amax16) {
   r.sc2 = nf ? 0x7FC07FC0u : (uint32_t((254 - kBias + e) & 0xFF) << 7) * 0x10001u;
   uint32_t s = uint32_t(e + 127) << 23;
   if (e < -126) s = 0x400000u;
+  if (nf) s = 0x7FC00000u;  // the warp-wide slow path runs for the non-finite rows too
   r.sc = __uint_as_float(s);
   return r;
 }
