@@ -13,8 +13,9 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
 - ``m2*``: float8_e4m3 W times a bf16 scale per 64 elements along K (the mixed-input
   kernel's chunk must be a multiple of its K tile, and the K tile at least 64: MXFP8's
   32-element blocks are out of its reach, so this is a timing proxy for them, not MXFP8);
-- ``q3*``: the raw bf16 W, quantized to MXFP8 (E4M3, rceil) and dequantized in registers
-  inside the mainloop (design (g)): no pass over the weight. Checked bit for bit against
+- ``q3*``, ``q4*``, ``q6*``, ``q7*``, ``q8*``: the raw bf16 W, quantized to MXFP8 (E4M3,
+  rceil) and dequantized in registers inside the mainloop (design (g), the arithmetic and
+  load order of grouped_mixed.cu's QDQ / EARLY): no pass over the weight. Checked bit for bit against
   design (a) (the quantize passes, then the bf16 GEMM), and timed per call as the forward
   runs it: the x pass, then this GEMM. ``q0*`` / ``q5*``: the same kernel with the raw
   weight into the MMA (no quantization / only the block amax and scales): timing
@@ -47,6 +48,11 @@ import torch
 CHUNK = 64
 
 
+def is_design_g(name: str) -> bool:
+    """The exact design (g) variants: q-prefixed, except the timing references q0 and q5."""
+    return name.startswith("q") and not name.startswith(("q0", "q5"))
+
+
 def variants(lib: ctypes.CDLL, names: list[str]) -> list[str]:
     """The variant prefixes among ``names`` that the library defines."""
     out = []
@@ -68,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")
@@ -152,7 +158,7 @@ def main() -> int:
                     raise RuntimeError(f"{n}: setup returned {rc}")
                 run()
                 torch.cuda.synchronize()
-                if n.startswith(("v0", "q3", "q4", "q6")):
+                if n.startswith("v0") or is_design_g(n):
                     want = ref_a
                 elif n.startswith(("q0", "q5")):
                     want = grouped_mm_nt(xq, w, offs)
@@ -166,7 +172,7 @@ def main() -> int:
                 err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
                 checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
                 t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
-                if n.startswith(("q3", "q4", "q6")):
+                if is_design_g(n):
                     starts64 = starts.to(torch.int64)
 
                     def per_call(n=n, keep=keep):  # the forward as it would run: x pass, then the GEMM
@@ -202,7 +208,7 @@ def main() -> int:
         for n, c in checks.items():
             print(f"  check {n}: {c}")
         sys.stdout.flush()
-    exact = {} if args.no_exact else exactness(lib, [n for n in names if n.startswith(("q3", "q4", "q6"))], recipe)
+    exact = {} if args.no_exact else exactness(lib, [n for n in names if is_design_g(n)], recipe)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"info": info, "rows": rows, "exactness": exact}, f, indent=1)

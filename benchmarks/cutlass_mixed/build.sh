@@ -10,26 +10,28 @@ OUT=${1:?usage: build.sh OUT.so}
 CUTLASS_DIR=${CUTLASS_DIR:-/tmp/cutlass/cutlass_library/source}
 HERE=$(cd "$(dirname "$0")" && pwd)
 TMP=$(mktemp -d)
-# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] (see grouped_mixed.cu)
+# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] (see grouped_mixed.cu)
 VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
 m1a 1 128 256 64 2
 m2b 2 128 256 64 2
-q3c 3 128 256 64 1 4 1 0
-q4a 3 128 256 64 2 4 2 0
-q4c 3 128 256 64 1 4 2 0
-q4t 3 128 160 64 1 5 2 0
-q4p 3 64 256 64 1 5 2 1
-q0c 3 128 256 64 1 4 0 0
-q5c 3 128 256 64 1 4 3 0
-q6c 3 128 256 64 1 4 4 0"}
+q3c 3 128 256 64 1 4 1 0 0
+q4a 3 128 256 64 2 4 2 0 0
+q4c 3 128 256 64 1 4 2 0 0
+q4t 3 128 160 64 1 5 2 0 0
+q4p 3 64 256 64 1 5 2 1 0
+q0c 3 128 256 64 1 4 0 0 0
+q5c 3 128 256 64 1 4 3 0 0
+q6c 3 128 256 64 1 4 4 0 0
+q7c 3 128 256 64 1 4 2 0 1
+q8c 3 128 256 64 1 4 4 0 1"}
 JOBS=${JOBS:-$(nproc)}  # nvcc processes at once (each takes 1-2 GB of memory)
 objs=()
-while read -r name v tm tn tk cm st qdq pp; do
+while read -r name v tm tn tk cm st qdq pp early; do
   [ -z "$name" ] && continue
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
     -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
-    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" \
+    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" -DEARLY="${early:-1}" \
     -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
   objs+=("$TMP/$name.o")
 done <<< "$VARIANTS"

@@ -340,6 +340,28 @@ namespace cutlass::gemm::collective::detail {
 // scales for k-block 2j + 1.
 template <>
 struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identity>> {
+#ifndef EARLY
+#define EARLY 1
+#endif
+#if EARLY
+  // The mainloop loads k-block k + 2 of the A fragment from shared memory right before it
+  // converts k-block k + 1, so the amax of a pair (2j, 2j + 1), taken at k-block 2j, waited
+  // for the load of 2j + 1 issued just before it (ncu: short-scoreboard stalls on the
+  // amax). Here the request for k-block 2 also loads k-block 3 (the same stage; its
+  // registers are dead since the previous k-tile's conversion of k-block 3), and the request
+  // for k-block 3 loads nothing: the pair (2, 3) arrives one k-block earlier. The pair
+  // (0, 1) of the next k-tile still loads right before its conversion (its stage is waited
+  // for there).
+  template <class SmemTiledCopyA, class TensorASmemView, class TensorACopyView, class... Ts, class... Us>
+  CUTLASS_DEVICE static void copy_tensors_MK(SmemTiledCopyA const& smem_tiled_copy_A, TensorASmemView const& tCsA,
+                                             TensorACopyView& tCrA_copy_view, cute::tuple<Ts...> const&,
+                                             cute::tuple<Us...> const&, int k_block, int read_stage) {
+    static_assert(decltype(size<2>(tCrA_copy_view))::value == 4, "four k-blocks per k-tile (TK = 64)");
+    if (k_block == 3) return;
+    copy(smem_tiled_copy_A, tCsA(_, _, k_block, read_stage), tCrA_copy_view(_, _, k_block));
+    if (k_block == 2) copy(smem_tiled_copy_A, tCsA(_, _, 3, read_stage), tCrA_copy_view(_, _, 3));
+  }
+#endif
   template <class ThreadMma, class TensorStorage>
   CUTLASS_DEVICE static auto partition_extra_mma_info(ThreadMma const&, TensorStorage&) {
 #if QDQ == 4
