@@ -53,6 +53,31 @@ REFS = {  # timing references per design: name -> extra keyword arguments
 }
 
 
+def special_weight(device, N: int = 96, K: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (1, N, K) bf16 weight whose 32-element blocks along K cover every binade (float32
+    subnormal scales, bf16 subnormal elements), with rows of special blocks: 0 a block whose
+    scale is subnormal, 1 ties at the E4M3 grid, 2 near the bf16 maximum, 3-5 a non-finite
+    element (inf, NaN, -inf), 6 and 7 E4M3 subnormal codes and their ties (+ and -). Returns
+    it and the (N,) mask of the rows with a non-finite block (their outputs must be NaN)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(1, N, K, device=device, generator=g)
+    blk = torch.randint(-150, 110, (1, N, K // 32, 1), device=device, generator=g).float()
+    w = (w.view(1, N, K // 32, 32) * torch.exp2(blk)).view(1, N, K)
+    w[0, 0, :32] = 448.0 * torch.exp2(torch.tensor(-140.0))  # subnormal block
+    w[0, 1, :32] = torch.tensor([1.0, 1.0625, 1.125, 1.1875] * 8) * 256  # ties at the e4m3 grid
+    w[0, 2, :32] = 3.0e38  # near bf16 max
+    sub = torch.cat([torch.tensor([448.0]), torch.arange(1, 32) * 2.0 ** -10])  # E4M3 subnormals and their ties
+    w[0, 6, :32] = sub
+    w[0, 7, 32:64] = -sub
+    w = w.to(torch.bfloat16)
+    w[0, 3, 5] = float("inf")
+    w[0, 4, 40] = float("nan")
+    w[0, 5, 70] = -float("inf")
+    bad_rows = torch.zeros(N, dtype=torch.bool, device=device)
+    bad_rows[[3, 4, 5]] = True
+    return w, bad_rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="JSON result file")
@@ -93,22 +118,10 @@ def main() -> int:
             fails.append(name)
 
     # ---- the quantized weight bit for bit (one-hot tokens) ----
-    g = torch.Generator(device="cuda").manual_seed(0)
-    N, K = 96, 2048
-    w = torch.randn(1, N, K, device="cuda", generator=g)
-    blk = torch.randint(-150, 110, (1, N, K // 32, 1), device="cuda", generator=g).float()
-    w = (w.view(1, N, K // 32, 32) * torch.exp2(blk)).view(1, N, K)
-    w[0, 0, :32] = 448.0 * torch.exp2(torch.tensor(-140.0))  # subnormal block
-    w[0, 1, :32] = torch.tensor([1.0, 1.0625, 1.125, 1.1875] * 8) * 256  # ties at the e4m3 grid
-    w[0, 2, :32] = 3.0e38  # near bf16 max
-    w = w.to(bf)
-    w[0, 3, 5] = float("inf")
-    w[0, 4, 40] = float("nan")
-    w[0, 5, 70] = -float("inf")
+    w, bad_rows = special_weight("cuda")
+    K = w.shape[2]
     x = torch.eye(K, device="cuda", dtype=bf)
     offs = torch.tensor([K], device="cuda", dtype=torch.int32)
-    bad_rows = torch.zeros(N, dtype=torch.bool, device="cuda")
-    bad_rows[[3, 4, 5]] = True
     for fmt in ("e4m3", "e5m2"):
         for mode in ("rceil", "floor"):
             out = efwd(x, w, offs, fmt=fmt, mode=mode)  # (K, N) = Q(w)^T

@@ -1,15 +1,26 @@
 #!/bin/bash
 # Builds the CUTLASS grouped GEMM variants of benchmarks/cutlass_mixed.py into one shared
 # library: bash benchmarks/cutlass_mixed/build.sh OUT.so
-# Needs nvcc >= 12.8 (the H200 machine has 13.0) and CUTLASS 4.2's headers: CUTLASS_DIR
-# (default: the nvidia-cutlass 4.2 wheel's cutlass_library/source, unpacked to
-# /tmp/cutlass); LDFLAGS e.g. -L<dir of libcudart_static.a> where nvcc does not find it
-# (the CUDA wheels). Each variant is its own translation unit (~1 min of one core each).
+# Needs nvcc >= 12.8 (the H200 machine has 13.0; on a machine without CUDA, the wheels
+# nvidia-cuda-nvcc, nvidia-cuda-runtime, nvidia-cuda-cccl, nvidia-cuda-crt and nvidia-nvvm
+# 13.0 unpacked give one) and CUTLASS 4.2's headers: CUTLASS_DIR (default
+# /tmp/cutlass/cutlass_library/source, where `pip download --no-deps nvidia-cutlass==4.2.0`
+# unzipped into /tmp/cutlass puts them); LDFLAGS e.g. -L<dir of libcudart_static.a> where
+# nvcc does not find it (the CUDA wheels). Each variant is its own translation unit (~1 min
+# of one core and 1-2 GB of memory each); JOBS of them compile at once (default: nproc).
 set -euo pipefail
-OUT=${1:?usage: build.sh OUT.so}
+if [ $# -ne 1 ]; then echo "usage: bash benchmarks/cutlass_mixed/build.sh OUT.so" >&2; exit 2; fi
+OUT=$1
 CUTLASS_DIR=${CUTLASS_DIR:-/tmp/cutlass/cutlass_library/source}
+if [ ! -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]; then
+  echo "CUTLASS 4.2 headers not found under CUTLASS_DIR=$CUTLASS_DIR (include/cutlass/cutlass.h):" >&2
+  echo "  pip download --no-deps nvidia-cutlass==4.2.0 -d /tmp/w && unzip -q /tmp/w/nvidia_cutlass-4.2.0*.whl -d /tmp/cutlass" >&2
+  exit 2
+fi
+command -v nvcc > /dev/null || { echo "nvcc not found on the PATH (CUDA >= 12.8 needed)" >&2; exit 2; }
 HERE=$(cd "$(dirname "$0")" && pwd)
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
 # name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] (see grouped_mixed.cu)
 VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
 m1a 1 128 256 64 2
@@ -28,15 +39,15 @@ JOBS=${JOBS:-$(nproc)}  # nvcc processes at once (each takes 1-2 GB of memory)
 objs=()
 while read -r name v tm tn tk cm st qdq pp early; do
   [ -z "$name" ] && continue
-  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done  # a failed job is reported below
   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
     -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
     -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" -DEARLY="${early:-1}" \
     -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
   objs+=("$TMP/$name.o")
 done <<< "$VARIANTS"
-wait
-for o in "${objs[@]}"; do [ -f "$o" ] || { echo "build failed: ${o%.o}.log" >&2; tail -5 "${o%.o}.log" >&2; exit 1; }; done
+wait || true
+for o in "${objs[@]}"; do [ -f "$o" ] || { echo "build failed: $(basename "${o%.o}")" >&2; tail -5 "${o%.o}.log" >&2; exit 1; }; done
 grep -h -E "registers|C75" "$TMP"/*.log | sort | uniq -c
 nvcc -shared -cudart static -arch=sm_90a ${LDFLAGS:-} -o "$OUT" "${objs[@]}"
 echo "built $OUT"

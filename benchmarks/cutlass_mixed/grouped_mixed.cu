@@ -127,11 +127,40 @@ namespace mxq {
 // value x: cvt.rn.satfinite(x * 2^-e) to E4M3/E5M2, decoded, times 2^e, to bf16.
 constexpr int kEmax = FMT == 0 ? 8 : 15;
 constexpr uint32_t kInvMaxBits = FMT == 0 ? 0x3b124925u : 0x37924925u;  // float32(1 / 448), float32(1 / 57344)
+constexpr int kBias = FMT == 0 ? 7 : 15;  // the element format's exponent bias
+constexpr int kShift = FMT == 0 ? 4 : 3;  // QDQ 4: a code's bits at bits 8..15, shifted right to bf16's positions
+constexpr uint32_t kMagMask = FMT == 0 ? 0x07F007F0u : 0x0FE00FE0u;
+// the smallest e at which the smallest nonzero dequantized value (the smallest subnormal
+// code, 2^(-bias - mantissa bits + 1), times 2^e) is a normal bf16 (>= 2^-126)
+constexpr int kFastMin = FMT == 0 ? -117 : -110;
 
 __device__ __forceinline__ uint32_t vmax2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
+}
+
+// the codes of two float32 values (cvt.rn.satfinite: round to nearest even, saturate to the
+// largest finite code, NaN stays NaN), x1 in the high byte
+__device__ __forceinline__ unsigned short cvt_codes(float x0, float x1) {
+  unsigned short h;
+#if FMT == 0
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#else
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+#endif
+  return h;
+}
+
+// the exact float16 values of two codes (the low byte in the low half)
+__device__ __forceinline__ uint32_t codes_to_f16x2(unsigned short h) {
+  uint32_t g;
+#if FMT == 0
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
+#else
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
+#endif
+  return g;
 }
 
 // amax: the block's largest sign-cleared bf16 bit pattern (NaN patterns sort above inf)
@@ -169,9 +198,9 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
 // for the amax's bf16 exponent field EA and mantissa MA, clamped to [-127, 127]: equal to
 // the float32 rule of block_scale for every finite bf16 amax, both formats, checked
 // exhaustively on the CPU: tests/test_wq_prototypes.py), and the multiplies by 2^-e and 2^e
-// in bf16x2 (exact: powers of two, no result below bf16's normal range where it matters).
-// Rows with e < -117 (dequantized values could be bf16 subnormals) take QDQ 1's float32
-// multiply back.
+// in bf16x2 (exact: powers of two; the multiply by 2^-e feeds the float8 conversion, which
+// rounds anything below bf16's normal range to zero anyway). Rows with e < kFastMin, where
+// dequantized values could be bf16 subnormals, take QDQ 1's float32 multiply back.
 __device__ __forceinline__ int scale_exp(uint32_t amax16, bool& nf) {
   nf = amax16 >= 0x7F80u;
 #if MODE == 1
@@ -186,7 +215,7 @@ __device__ __forceinline__ int scale_exp(uint32_t amax16, bool& nf) {
 struct RowScale {
   uint32_t inv2;  // bf16x2 2^-e
   uint32_t sc2;   // bf16x2 2^e (NaN for a non-finite block)
-  float sc;       // float32 2^e for the rows with e < -117
+  float sc;       // float32 2^e for the rows with e < kFastMin
   bool slow;
 };
 
@@ -199,7 +228,7 @@ __device__ __forceinline__ RowScale row_scale(uint32_t amax16) {
   uint32_t s = uint32_t(e + 127) << 23;
   if (e < -126) s = 0x400000u;
   r.sc = __uint_as_float(s);
-  r.slow = e < -117 && !nf;
+  r.slow = e < kFastMin && !nf;
   return r;
 }
 
@@ -207,18 +236,8 @@ __device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
   uint32_t v;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(r.inv2));
   const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
-  unsigned short h;
-#if FMT == 0
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#else
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#endif
-  uint32_t g;
-#if FMT == 0
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
-#else
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
-#endif
+  const unsigned short h = cvt_codes(x0, x1);
+  const uint32_t g = codes_to_f16x2(h);
   float y0 = __half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu)));
   float y1 = __half2float(__ushort_as_half((unsigned short)(g >> 16)));
   uint32_t out;
@@ -241,10 +260,6 @@ __device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
 // 2^-(127 - bias), subnormal codes included (bf16 subnormals); one bf16x2 multiply by
 // 2^(127 - bias + e) then gives the dequantized value, exact where 2^(127 - bias + e) is
 // a bf16 and the smallest nonzero result is normal; other rows take QDQ 1's float path.
-constexpr int kBias = FMT == 0 ? 7 : 15;
-constexpr int kShift = FMT == 0 ? 4 : 3;
-constexpr uint32_t kMagMask = FMT == 0 ? 0x07F007F0u : 0x0FE00FE0u;
-constexpr int kFastMin = FMT == 0 ? -117 : -110;  // smallest subnormal code * 2^e >= 2^-126
 
 struct RowScale4 {
   uint32_t inv2;  // bf16x2 2^-e
@@ -273,12 +288,7 @@ __device__ __forceinline__ unsigned short encode_pair(uint32_t x, uint32_t inv2)
   uint32_t v;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(inv2));
   const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
-  unsigned short h;
-#if FMT == 0
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#else
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#endif
+  const unsigned short h = cvt_codes(x0, x1);
   return h;
 }
 
@@ -293,12 +303,7 @@ __device__ __forceinline__ uint32_t decode_fast(unsigned short h, uint32_t sc2) 
 
 // slow decode (any row): cvt to f16x2, float32 multiply by 2^e, bf16 pack
 __device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
-  uint32_t g;
-#if FMT == 0
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
-#else
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
-#endif
+  const uint32_t g = codes_to_f16x2(h);
   const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
   const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
   uint32_t out;
@@ -309,18 +314,8 @@ __device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
 __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
   const float x0 = __fmul_rn(__uint_as_float(x << 16), inv);
   const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
-  unsigned short h;
-#if FMT == 0
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#else
-  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-#endif
-  uint32_t g;
-#if FMT == 0
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(g) : "h"(h));
-#else
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(g) : "h"(h));
-#endif
+  const unsigned short h = cvt_codes(x0, x1);
+  const uint32_t g = codes_to_f16x2(h);
   const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
   const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
   uint32_t out;
@@ -501,6 +496,8 @@ extern "C" {
 // Allocates the per-group stride arrays (every group has the same strides) for groups
 // experts of Nout x K weights. Returns 0 on success.
 int CAT(NAME, _setup)(int groups, int nout, int k, int chunk) {
+  cudaFree(g_state.dA); cudaFree(g_state.dB); cudaFree(g_state.dD); cudaFree(g_state.dS);  // a previous setup's
+  g_state.dA = nullptr; g_state.dB = nullptr; g_state.dD = nullptr; g_state.dS = nullptr;
   g_state.groups = groups; g_state.nout = nout; g_state.k = k;
   std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
   std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
