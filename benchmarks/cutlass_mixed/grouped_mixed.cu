@@ -314,13 +314,7 @@ __device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
 __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
   const float x0 = __fmul_rn(__uint_as_float(x << 16), inv);
   const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
-  const unsigned short h = cvt_codes(x0, x1);
-  const uint32_t g = codes_to_f16x2(h);
-  const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
-  const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
-  uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
-  return out;
+  return decode_slow(cvt_codes(x0, x1), sc);
 }
 }  // namespace mxq
 
