@@ -54,6 +54,11 @@ import torch
 CHUNK = 64
 
 
+# design (g) variants built for another element format / scale mode (build.sh's FMT and MODE
+# columns): checked in the exactness section only, against design (a) under that recipe
+FORMAT_VARIANTS = {"q4e": ("e5m2", "rceil"), "q4f": ("e4m3", "floor"), "q4g": ("e5m2", "floor")}
+
+
 def is_design_g(name: str) -> bool:
     """The exact design (g) variants: q-prefixed, except the timing references q0 and q5."""
     return name.startswith("q") and not name.startswith(("q0", "q5"))
@@ -80,7 +85,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4e,q4f,q4g")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")
@@ -140,6 +145,8 @@ def main() -> int:
         problems = problems.to(torch.int32).contiguous()
         checks = {}
         for n in names:
+            if n in FORMAT_VARIANTS:
+                continue
             fp8 = n.startswith("m")
             wop = w if n.startswith("q") else codes if fp8 else wq
             out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
@@ -253,7 +260,8 @@ def run_grouped(lib, n: str, xq: torch.Tensor, w: torch.Tensor, offs: torch.Tens
 
 
 def exactness(lib, names: list[str], recipe) -> dict:
-    """The q3 variants against design (a): the quantized weight value for value through
+    """The design (g) variants against design (a) (under the variant's format and scale
+    mode, FORMAT_VARIANTS): the quantized weight value for value through
     one-hot tokens (blocks of every binade, E4M3 subnormal codes and their ties, ties at the
     grid, the subnormal-scale block, near the bf16 maximum,
     non-finite blocks), then ragged groups bit for bit (K % 64 != 0, N not a multiple of
@@ -262,6 +270,7 @@ def exactness(lib, names: list[str], recipe) -> dict:
 
     from mxmoe.ops.gemm import grouped_mm_nt
     from mxmoe.ops.quantize import fake_quantize
+    from mxmoe.recipe import get_recipe
 
     bf = torch.bfloat16
     res = {}
@@ -269,13 +278,15 @@ def exactness(lib, names: list[str], recipe) -> dict:
     K = w.shape[2]
     x = torch.eye(K, device="cuda", dtype=bf)
     offs = torch.tensor([K], device="cuda", dtype=torch.int32)
-    ref = fake_quantize(w, recipe, dim=2, out_dtype=bf)[0].t()
     cases = [(4000, 1408, 64, [162, 0, 2577, 446, 0, 83]), (3000, 2880, 256, [3000]),
              (2000, 1416, 264, [257, 1000, 700]), (700, 40, 96, [300, 300, 100]),
              (5000, 2048, 200, [0] * 30 + [1200, 33, 0, 64])]
     cases.sort(key=lambda c: 0 in c[3])
     for n in names:
         r = {}
+        rec = get_recipe(recipe, fmt=FORMAT_VARIANTS[n][0], scale_mode=FORMAT_VARIANTS[n][1]) \
+            if n in FORMAT_VARIANTS else recipe
+        ref = fake_quantize(w, rec, dim=2, out_dtype=bf)[0].t()
         try:
             out = run_grouped(lib, n, x, w, offs)
             o, rr = out[:, ~bad], ref[:, ~bad]
@@ -291,8 +302,8 @@ def exactness(lib, names: list[str], recipe) -> dict:
                 xx = torch.randn(T, Kc, device="cuda", dtype=bf)
                 ww = (torch.randn(len(sizes), Nc, Kc, device="cuda") * 0.02).to(bf)
                 oo = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-                xq = fake_quantize(xx, recipe, dim=1, out_dtype=bf)
-                want = grouped_mm_nt(xq, fake_quantize(ww, recipe, dim=2, out_dtype=bf), oo)
+                xq = fake_quantize(xx, rec, dim=1, out_dtype=bf)
+                want = grouped_mm_nt(xq, fake_quantize(ww, rec, dim=2, out_dtype=bf), oo)
                 got = run_grouped(lib, n, xq, ww, oo)
                 end = int(oo[-1])
                 r[key] = bool((got[:end].view(torch.int16) == want[:end].view(torch.int16)).all())

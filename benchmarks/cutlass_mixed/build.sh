@@ -21,7 +21,8 @@ command -v nvcc > /dev/null || { echo "nvcc not found on the PATH (CUDA >= 12.8 
 HERE=$(cd "$(dirname "$0")" && pwd)
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] (see grouped_mixed.cu)
+# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] [FMT] [MODE] (see grouped_mixed.cu;
+# FMT 0 E4M3 / 1 E5M2, MODE 0 rceil / 1 floor: benchmarks/cutlass_mixed.py FORMAT_VARIANTS)
 VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
 m1a 1 128 256 64 2
 m2b 2 128 256 64 2
@@ -34,15 +35,18 @@ q0c 3 128 256 64 1 4 0 0 0
 q5c 3 128 256 64 1 4 3 0 0
 q6c 3 128 256 64 1 4 4 0 0
 q7c 3 128 256 64 1 4 2 0 1
-q8c 3 128 256 64 1 4 4 0 1"}
+q8c 3 128 256 64 1 4 4 0 1
+q4e 3 128 256 64 1 4 2 0 0 1 0
+q4f 3 128 256 64 1 4 2 0 0 0 1
+q4g 3 128 256 64 1 4 2 0 0 1 1"}
 JOBS=${JOBS:-$(nproc)}  # nvcc processes at once (each takes 1-2 GB of memory)
 objs=()
-while read -r name v tm tn tk cm st qdq pp early; do
+while read -r name v tm tn tk cm st qdq pp early fmt mode; do
   [ -z "$name" ] && continue
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done  # a failed job is reported below
   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
     -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
-    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" -DEARLY="${early:-1}" \
+    -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" -DEARLY="${early:-1}" -DFMT="${fmt:-0}" -DMODE="${mode:-0}" \
     -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
   objs+=("$TMP/$name.o")
 done <<< "$VARIANTS"
