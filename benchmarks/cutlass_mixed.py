@@ -21,7 +21,8 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
   runs it: the x pass, then this GEMM. ``q0*`` / ``q5*``: the same kernel with the raw
   weight into the MMA (no quantization / only the block amax and scales): timing
   references that split design (g)'s time, not results (compared with the GEMM on the raw
-  weight).
+  weight). ``q4e`` / ``q4f`` / ``q4g``: q4c built for E5M2 / rceil, E4M3 / floor and E5M2 /
+  floor (FORMAT_VARIANTS): checked in the exactness section only, not timed.
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
