@@ -43,7 +43,7 @@ import re
 import torch
 from torch import Tensor
 
-from gluon_wq import check_wq_args, tile_table
+from gluon_wq import tile_table, wq_operands
 from gluon_wq_tma import qdq_block_asm
 
 THREADS = 384
@@ -369,7 +369,7 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     rows per cluster (256 or 320; at 320 only 3 stages fit in shared memory).
 
     Raises:
-        TypeError, ValueError: as ``gluon_wq.check_wq_args`` says; tokens not 256 or 320;
+        TypeError, ValueError: as ``gluon_wq.check_wq_args`` says (through ``wq_operands``); tokens not 256 or 320;
             stages and tokens that need more than sm90's shared memory.
         RuntimeError: the driver refuses the TMA descriptors or the launch.
     """
@@ -378,16 +378,14 @@ def cuda_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str =
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
     if tokens not in (256, 320):
         raise ValueError(f"tokens must be 256 or 320, got {tokens!r}")
-    check_wq_args(xq, w, offsets, stages, "design (f)", tma=True)
+    xq, w, out, nothing = wq_operands(xq, w, offsets, stages, "design (f)")
     if smem_bytes(stages, tokens) > SMEM_LIMIT:
         raise ValueError(f"stages={stages} with tokens={tokens} needs {smem_bytes(stages, tokens)} bytes of shared "
                          f"memory, more than the {SMEM_LIMIT} of sm90; use fewer stages")
-    xq, w = xq.contiguous(), w.contiguous()
+    if nothing:
+        return out
     T, K = xq.shape
     E, N, _ = w.shape
-    out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
-    if T == 0 or N == 0 or E == 0 or K == 0:
-        return out.zero_()
     pe, pr0, pr1, pn0 = tile_table(offsets, T, N, tokens, 256, order, equal=True)
     kern = _kernel(fmt, mode, stages, direct, tokens, epi)
     xd, wd = tma_desc(xq, tokens // 2), tma_desc(w.view(E * N, K), 128)

@@ -82,6 +82,28 @@ def pointer_arrays(base: torch.Tensor, starts: torch.Tensor, row_elems: int) -> 
     return base.data_ptr() + starts.to(torch.int64) * (row_elems * base.element_size())
 
 
+def problem_table(offs: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped problems (E, 3) int32 (N, tokens of expert e, K), contiguous, and each
+    expert's first token row (E,) int64, from cumulative int32 offsets; on the device."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    problems = torch.stack([torch.full_like(offs, N), sizes, torch.full_like(offs, K)], 1)
+    return problems.to(torch.int32).contiguous(), (offs - sizes).to(torch.int64)
+
+
+def launch(lib, n: str, problems: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, ps: torch.Tensor,
+           pd: torch.Tensor) -> None:
+    """One launch of variant ``n`` on the current stream: the problem table and the
+    per-group pointer arrays of the weight, tokens, scales and output.
+
+    Raises:
+        RuntimeError: CUTLASS refused the arguments or the launch (its status code).
+    """
+    res = getattr(lib, n + "_run")(problems.data_ptr(), pa.data_ptr(), pb.data_ptr(), ps.data_ptr(), pd.data_ptr(),
+                                   CHUNK, torch.cuda.current_stream().cuda_stream)
+    if res:
+        raise RuntimeError(f"{n}: CUTLASS returned {res}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
@@ -125,7 +147,7 @@ def main() -> int:
         sizes = group_sizes(T, E, skewed)
         dev = torch.device("cuda")
         offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-        starts = offs - torch.tensor(sizes, device=dev, dtype=torch.int32)
+        problems, starts = problem_table(offs, N, K)
         x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
         w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
         xq = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
@@ -142,30 +164,19 @@ def main() -> int:
              "mx fwd (a), per call": bench(lambda: mx_grouped_mm(x, w, offs, recipe), rep=100, warmup=25),
              "(a) GEMM on dequantized operands": bench(lambda: grouped_mm_nt(xq, wq, offs), rep=100, warmup=25)}
         ref_a = grouped_mm_nt(xq, wq, offs)
-        problems = torch.stack([torch.full_like(offs, N), offs - starts, torch.full_like(offs, K)], 1)
-        problems = problems.to(torch.int32).contiguous()
+        experts = torch.arange(E, device=dev)
         checks = {}
         for n in names:
             if n in FORMAT_VARIANTS:
                 continue
-            fp8 = n.startswith("m")
-            wop = w if n.startswith("q") else codes if fp8 else wq
+            wop = w if n.startswith("q") else codes if n.startswith("m") else wq
             out = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
-            pa = pointer_arrays(wop, torch.arange(E, device=dev), N * K) if not fp8 else \
-                codes.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K)
-            pb = pointer_arrays(xq, starts, K)
-            ps = scale.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (K // CHUNK * N * 2)
-            pd = pointer_arrays(out, starts, N)
-            keep = (pa, pb, ps, pd)
+            pa = pointer_arrays(wop, experts, N * K)
+            ps = pointer_arrays(scale, experts, K // CHUNK * N)
             rc = getattr(lib, n + "_setup")(E, N, K, CHUNK)
-            stream = torch.cuda.current_stream().cuda_stream
 
-            def run(n=n, keep=keep):
-                res = getattr(lib, n + "_run")(problems.data_ptr(), keep[0].data_ptr(), keep[1].data_ptr(),
-                                              keep[2].data_ptr(), keep[3].data_ptr(), CHUNK,
-                                              torch.cuda.current_stream().cuda_stream)
-                if res:
-                    raise RuntimeError(f"{n}: CUTLASS returned {res}")
+            def run(n=n, pa=pa, ps=ps, pb=pointer_arrays(xq, starts, K), pd=pointer_arrays(out, starts, N)):
+                launch(lib, n, problems, pa, pb, ps, pd)
 
             try:
                 if rc:
@@ -187,18 +198,10 @@ def main() -> int:
                 checks[n] = {"bit_equal_fraction": round(same, 6), "max_rel_err": err}
                 t[f"{n} GEMM"] = bench(run, rep=100, warmup=25)
                 if is_design_g(n):
-                    starts64 = starts.to(torch.int64)
-
-                    def per_call(n=n, keep=keep):  # the forward as it would run: x pass, then the GEMM
+                    def per_call(n=n, pa=pa, ps=ps):  # the forward as it would run: x pass, then the GEMM
                         xq2 = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
                         out2 = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
-                        pb2 = xq2.data_ptr() + starts64 * (K * 2)
-                        pd2 = out2.data_ptr() + starts64 * (N * 2)
-                        res = getattr(lib, n + "_run")(problems.data_ptr(), keep[0].data_ptr(), pb2.data_ptr(),
-                                                      keep[2].data_ptr(), pd2.data_ptr(), CHUNK,
-                                                      torch.cuda.current_stream().cuda_stream)
-                        if res:
-                            raise RuntimeError(f"{n}: CUTLASS returned {res}")
+                        launch(lib, n, problems, pa, pointer_arrays(xq2, starts, K), ps, pointer_arrays(out2, starts, N))
                         return out2
 
                     o2 = per_call()
@@ -207,7 +210,6 @@ def main() -> int:
                     t[f"{n} per call (x pass + GEMM)"] = bench(per_call, rep=100, warmup=25)
             except Exception as e:  # noqa: BLE001 - report the variant's failure, go on
                 checks[n] = {"error": f"{type(e).__name__}: {e}"}
-            del stream
         base = t["bf16 torch._grouped_mm"]
         r["us"] = {k: round(v * 1e6, 1) for k, v in t.items()}
         r["x bf16"] = {k: round(base / v, 3) for k, v in t.items()}
@@ -237,25 +239,17 @@ def main() -> int:
 
 
 def run_grouped(lib, n: str, xq: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out (T, N) of variant ``n`` (a q3 variant: raw bf16 w) on prepared xq; rows past
+    """out (T, N) of design (g) variant ``n`` (the raw bf16 w) on prepared xq; rows past
     offsets[-1] zeros."""
     T, K = xq.shape
     E, N, _ = w.shape
-    dev = xq.device
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    starts = (offs - sizes).to(torch.int64)
-    problems = torch.stack([torch.full_like(offs, N), sizes, torch.full_like(offs, K)], 1).to(torch.int32).contiguous()
-    out = torch.zeros(T, N, device=dev, dtype=torch.bfloat16)
-    pa = w.data_ptr() + torch.arange(E, device=dev, dtype=torch.int64) * (N * K * 2)
-    pb = xq.data_ptr() + starts * (K * 2)
-    pd = out.data_ptr() + starts * (N * 2)
+    problems, starts = problem_table(offs, N, K)
+    out = torch.zeros(T, N, device=xq.device, dtype=torch.bfloat16)
+    pa = pointer_arrays(w, torch.arange(E, device=xq.device), N * K)
     rc = getattr(lib, n + "_setup")(E, N, K, CHUNK)
     if rc:
         raise RuntimeError(f"{n}: setup returned {rc}")
-    res = getattr(lib, n + "_run")(problems.data_ptr(), pa.data_ptr(), pb.data_ptr(), pa.data_ptr(), pd.data_ptr(),
-                                   CHUNK, torch.cuda.current_stream().cuda_stream)
-    if res:
-        raise RuntimeError(f"{n}: CUTLASS returned {res}")
+    launch(lib, n, problems, pa, pointer_arrays(xq, starts, K), pa, pointer_arrays(out, starts, N))  # no scales
     torch.cuda.synchronize()
     return out
 

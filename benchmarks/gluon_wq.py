@@ -227,6 +227,24 @@ def check_wq_args(xq: Tensor, w: Tensor, offsets: Tensor, stages: int, name: str
                          f"offsets on {offsets.device}")
 
 
+def wq_operands(xq: Tensor, w: Tensor, offsets: Tensor, stages: int, name: str
+                ) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """The opening of designs (e) and (f): :func:`check_wq_args` (with TMA's rules), the
+    operands made contiguous and the (T, N) bf16 output allocated. Returns (xq, w, out,
+    nothing): ``nothing`` when T, N, E or K is zero, and then ``out`` is zeros.
+
+    Raises:
+        TypeError, ValueError: as :func:`check_wq_args` says.
+    """
+    check_wq_args(xq, w, offsets, stages, name, tma=True)
+    xq, w = xq.contiguous(), w.contiguous()
+    T, K = xq.shape
+    E, N, _ = w.shape
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
+    nothing = T == 0 or N == 0 or E == 0 or K == 0
+    return xq, w, out.zero_() if nothing else out, nothing
+
+
 def gluon_grouped_mm_wq_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: str = "e4m3", mode: str = "rceil",
                             block_w: int = 128, block_t: int = 256, block_k: int = 64, stages: int = 4,
                             num_warps: int = 8, w_async: bool = True, quantize: bool = True, mma: bool = True) -> Tensor:

@@ -47,7 +47,7 @@ try:  # Gluon (Triton >= 3.5); the module imports without it, the kernel then is
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-from gluon_wq import _store_tile_t, check_wq_args, tile_table  # noqa: E402 - _store_tile_t None without Gluon
+from gluon_wq import _store_tile_t, tile_table, wq_operands  # noqa: E402 - _store_tile_t None without Gluon
 
 
 def _f32_hex(v: float) -> str:
@@ -188,13 +188,11 @@ def gluon_grouped_mm_wq_tma_fwd(xq: Tensor, w: Tensor, offsets: Tensor, *, fmt: 
     fmt, mode = getattr(fmt, "value", fmt), getattr(mode, "value", mode)
     if _wq_tma_fwd_kernel is None:
         raise RuntimeError(f"design (e) needs Triton's Gluon dialect (Triton >= 3.5), found {triton.__version__}")
-    check_wq_args(xq, w, offsets, stages, "design (e)", tma=True)
-    xq, w = xq.contiguous(), w.contiguous()
+    xq, w, out, nothing = wq_operands(xq, w, offsets, stages, "design (e)")
+    if nothing:
+        return out
     T, K = xq.shape
     E, N, _ = w.shape
-    out = torch.empty(T, N, dtype=torch.bfloat16, device=xq.device)
-    if T == 0 or N == 0 or E == 0 or K == 0:
-        return out.zero_()
     pe, pr0, pr1, pn0 = tile_table(offsets, T, N, block_t, block_w, order)
     x_sl = gl.NVMMASharedLayout.get_default_for([block_t, block_k], gl.bfloat16)
     w_sl = gl.NVMMASharedLayout.get_default_for([block_w, block_k], gl.bfloat16)

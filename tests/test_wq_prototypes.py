@@ -234,7 +234,7 @@ def _cases(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     and inf / NaN; x: a spread of bf16 patterns no larger than amax (both signs, zeros),
     and the format's subnormal grid points and their ties at that scale."""
     ea = torch.arange(0, 255)
-    amax = torch.cat([(ea[:, None] << 7) + torch.tensor([0x00, 0x60, 0x61, 0x7F])[None]]).flatten()
+    amax = ((ea[:, None] << 7) + torch.tensor([0x00, 0x60, 0x61, 0x7F])[None]).flatten()
     amax = torch.cat([amax, torch.tensor([0x7F80, 0x7FC0])])
     spread = torch.arange(0, 0x7F80, 37)
     xs = []

@@ -232,30 +232,40 @@ __device__ __forceinline__ RowScale row_scale(uint32_t amax16) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
+// the pair's two codes (cvt.rn.satfinite from the values times 2^-e, a bf16x2 multiply: exact)
+__device__ __forceinline__ unsigned short encode_pair(uint32_t x, uint32_t inv2) {
   uint32_t v;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(r.inv2));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(inv2));
   const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
-  const unsigned short h = cvt_codes(x0, x1);
+  return cvt_codes(x0, x1);
+}
+
+// slow decode (any row): cvt to f16x2, float32 multiply by 2^e, bf16 pack
+__device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
   const uint32_t g = codes_to_f16x2(h);
-  float y0 = __half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu)));
-  float y1 = __half2float(__ushort_as_half((unsigned short)(g >> 16)));
+  const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
+  const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
   uint32_t out;
-  if (r.slow) {
-    y0 = __fmul_rn(y0, r.sc);
-    y1 = __fmul_rn(y1, r.sc);
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
-  } else {
-    uint32_t b;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(y1), "f"(y0));
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(b), "r"(r.sc2));
-  }
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
+  const unsigned short h = encode_pair(x, r.inv2);
+  if (r.slow) return decode_slow(h, r.sc);
+  const uint32_t g = codes_to_f16x2(h);  // exact bf16 values: pack, then times 2^e in bf16x2
+  const float y0 = __half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu)));
+  const float y1 = __half2float(__ushort_as_half((unsigned short)(g >> 16)));
+  uint32_t b, out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(y1), "f"(y0));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(b), "r"(r.sc2));
   return out;
 }
 
 // QDQ 4: QDQ 2 with the decode of the two E4M3/E5M2 codes done in integer arithmetic
 // instead of cvt (tried because QDQ 2's fewer instructions ran no faster than QDQ 1, on the
-// guess that the three float conversions per pair share a slow pipe; QDQ 4 ran 8% slower). A code's exponent and mantissa bits
+// guess that the three float conversions per pair share a slow pipe; QDQ 4 ran 5-8% slower). A
+// code's exponent and mantissa bits
 // placed in a bf16's (E4M3 at bits 4..10, E5M2 at 5..11) read as the code's value times
 // 2^-(127 - bias), subnormal codes included (bf16 subnormals); one bf16x2 multiply by
 // 2^(127 - bias + e) then gives the dequantized value, exact where 2^(127 - bias + e) is
@@ -283,15 +293,6 @@ __device__ __forceinline__ RowScale4 row_scale4(uint32_t amax16) {
   return r;
 }
 
-// the pair's two codes (cvt.rn.satfinite from the values times 2^-e, a bf16x2 multiply: exact)
-__device__ __forceinline__ unsigned short encode_pair(uint32_t x, uint32_t inv2) {
-  uint32_t v;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(v) : "r"(x), "r"(inv2));
-  const float x0 = __uint_as_float(v << 16), x1 = __uint_as_float(v & 0xFFFF0000u);
-  const unsigned short h = cvt_codes(x0, x1);
-  return h;
-}
-
 // fast decode: the codes' bits into bf16 positions, one bf16x2 multiply, the signs back
 __device__ __forceinline__ uint32_t decode_fast(unsigned short h, uint32_t sc2) {
   const uint32_t y8 = __byte_perm(uint32_t(h), 0u, 0x1404);  // code 0 in byte 1, code 1 in byte 3
@@ -299,16 +300,6 @@ __device__ __forceinline__ uint32_t decode_fast(unsigned short h, uint32_t sc2) 
   uint32_t p;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(mag), "r"(sc2));
   return p | (y8 & 0x80008000u);
-}
-
-// slow decode (any row): cvt to f16x2, float32 multiply by 2^e, bf16 pack
-__device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
-  const uint32_t g = codes_to_f16x2(h);
-  const float y0 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu))), sc);
-  const float y1 = __fmul_rn(__half2float(__ushort_as_half((unsigned short)(g >> 16))), sc);
-  uint32_t out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(y1), "f"(y0));
-  return out;
 }
 
 __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
