@@ -98,7 +98,7 @@ using CollectiveQ = cutlass::gemm::collective::CollectiveMma<
     decltype(cd::sm90_cluster_shape_to_tma_atom(shape<1>(ClusterShape{}))), SmemAtomAQ,
     Copy_Atom<cute::AutoVectorizingCopy, cutlass::half_t>, TransformA,
     decltype(cd::sm90_cluster_shape_to_tma_atom(shape<0>(ClusterShape{}))), SmemAtomBQ, void, cute::identity>;
-using Mainloop = CollectiveQ<QdqTransform>;
+using MainloopQ = CollectiveQ<QdqTransform>;
 // complete the plain collective (and with it its MixedInputUtils) before the specialization
 // below derives from that MixedInputUtils
 static_assert(sizeof(typename CollectiveQ<cute::identity>::SharedStorage) > 0);
@@ -319,7 +319,7 @@ namespace cutlass::gemm::collective::detail {
 // k-blocks ahead), reduces it over the 4 lanes (two xor shuffles) and keeps the two rows'
 // scales for k-block 2j + 1.
 template <>
-struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identity>> {
+struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identity>> {
 #ifndef EARLY
 #define EARLY 1
 #endif
@@ -426,6 +426,125 @@ struct MixedInputUtils<::Mainloop> : MixedInputUtils<::CollectiveQ<cute::identit
   }
 };
 }  // namespace cutlass::gemm::collective::detail
+
+#ifndef LOOP
+#define LOOP 0
+#endif
+namespace {
+#if LOOP == 0
+using Mainloop = MainloopQ;  // CUTLASS's consumer loop: one k-block converted between two wgmmas
+#else
+// Our consumer loop (LOOP 2 or 4): the MXFP8 quantization of LOOP k-blocks at once (a pair =
+// one 32-element block, or a whole k-tile), issued while the wgmmas of the LOOP k-blocks
+// before them run. CUTLASS's loop converts one k-block between two wgmmas, so each
+// conversion is a short dependent chain (shared-memory load, amax, two shuffles, scale,
+// quantize-dequantize) the tensor pipe waits for; here the compiler can interleave two or four
+// such chains, and they have two or four wgmmas of the warpgroup (and as many of the other)
+// to hide behind. LOOP 4 keeps two sets of A-fragment registers (k-tile t's in flight while
+// t + 1's are written). Same pipeline protocol as CUTLASS's loop: every stage but the last
+// is released here, the last by mma_tail.
+struct Mainloop : MainloopQ {
+  using Base = MainloopQ;
+  using Utils = cutlass::gemm::collective::detail::MixedInputUtils<MainloopQ>;
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          typename Base::TensorStorage& shared_tensors, typename Base::Params const&) {
+    using TiledMma = typename Base::TiledMma;
+    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    Tensor sA = as_position_independent_swizzle_tensor(
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.begin()), typename Base::SmemLayoutA{}));  // (M, K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.begin()), typename Base::SmemLayoutB{});  // (N, K, PIPE)
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    const int wg = __shfl_sync(0xFFFFFFFFu, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    auto wg_mma = tiled_mma.get_slice(make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{})(wg));
+    Tensor tCsA = thr_mma.partition_A(sA);                                     // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrA0 = thr_mma.partition_fragment_A(sA(_, _, Int<0>{}));         // quantized weight (MMA, MMA_M, MMA_K)
+    Tensor tCrA1 = make_fragment_like(tCrA0);                                  // LOOP 4's second set
+    Tensor tCrW = make_fragment_like<typename Base::RealSwappedElementA>(tCrA0);  // raw weight
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));            // (MMA, MMA_N, MMA_K, PIPE)
+    auto copy_A = make_tiled_copy_A(typename Base::SwappedSmemCopyAtomA{}, tiled_mma);
+    auto thr_copy_A = copy_A.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrW_view = thr_copy_A.retile_D(tCrW);
+    auto extra = Utils::partition_extra_mma_info(thr_mma, shared_tensors);
+    constexpr int kBlocks = decltype(size<2>(tCrW))::value;
+    static_assert(kBlocks == 4, "four k-blocks per k-tile (TK = 64)");
+
+    // load and quantize k-blocks [k0, k0 + n) of stage into dst
+    auto prepare = [&](auto& dst, int k0, int n, int stage) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = k0; k < k0 + n; ++k) copy(copy_A, tCsA(_, _, k, stage), tCrW_view(_, _, k));
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = k0; k < k0 + n; ++k) Utils::dequantize_A_kblock(tCrW, dst, extra, k);
+    };
+    auto issue = [&](auto& src, int k0, int n, int stage) {
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = k0; k < k0 + n; ++k) {
+        cute::gemm(tiled_mma, src(_, _, k), tCrB(_, _, k, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    };
+
+    typename Base::PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+    bool first = true;
+#if LOOP == 2
+    prepare(tCrA0, 0, 2, smem_pipe_read.index());
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      warpgroup_fence_operand(accum);
+      issue(tCrA0, 0, 2, stage);
+      warpgroup_wait<1>();  // the previous pair's wgmmas are done: its registers and (at a new k-tile) its stage are free
+      if (!first) { pipeline.consumer_release(smem_pipe_release); ++smem_pipe_release; }
+      first = false;
+      prepare(tCrA0, 2, 2, stage);
+      issue(tCrA0, 2, 2, stage);
+      warpgroup_wait<1>();
+      if (k_tile_count > 1) {
+        pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+        prepare(tCrA0, 0, 2, smem_pipe_read.index());
+      }
+      warpgroup_fence_operand(accum);
+    }
+#else
+    static_assert(LOOP == 4, "LOOP is 0, 2 or 4");
+    prepare(tCrA0, 0, kBlocks, smem_pipe_read.index());
+    // one k-tile from cur, the next one prepared into nxt
+    auto tile = [&](auto& cur, auto& nxt) {
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      warpgroup_fence_operand(accum);
+      issue(cur, 0, kBlocks, stage);
+      warpgroup_wait<1>();  // the previous k-tile's wgmmas are done: nxt and its stage are free
+      if (!first) { pipeline.consumer_release(smem_pipe_release); ++smem_pipe_release; }
+      first = false;
+      if (k_tile_count > 1) {
+        pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+        prepare(nxt, 0, kBlocks, smem_pipe_read.index());
+      }
+      warpgroup_fence_operand(accum);
+      --k_tile_count;
+    };
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (k_tile_count > 0) {
+      tile(tCrA0, tCrA1);
+      if (k_tile_count == 0) break;
+      tile(tCrA1, tCrA0);
+    }
+#endif
+    warpgroup_fence_operand(accum);
+  }
+};
+#endif
+}  // namespace
 #endif
 
 namespace {
