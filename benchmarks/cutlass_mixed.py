@@ -108,7 +108,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q4e,q4f,q4g")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q0w,q4w,q3w,q4x,q4y,q4e,q4f,q4g")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")

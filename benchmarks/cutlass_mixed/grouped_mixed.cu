@@ -22,6 +22,9 @@
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
 // device pointers only (no host synchronization).
+#if defined(TN) && TN == 320
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the m64n160 wgmma (below)
+#endif
 #include <cstdint>
 #include <cstdio>
 #include "cutlass/cutlass.h"
@@ -81,9 +84,16 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
 // specialization below).
 struct QdqTransform {};
 namespace cd = cutlass::gemm::collective::detail;
-using TiledMmaQ = decltype(cute::make_tiled_mma(
-    cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>(),
-    Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
+// the wgmma atom: CUTLASS's choice for TN a multiple of 256; TN = 320 (one tile for up to
+// 320 tokens of an expert: the issue's (16384, 2048, 1408, 64) has 209-310 per expert) as
+// two m64n160 wgmmas per k-block (n160 is one of CUTLASS's extended shapes, enabled above;
+// its selector would pick n64 for 320)
+#if TN == 320
+using MmaAtomQ = cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+#else
+using MmaAtomQ = decltype(cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>());
+#endif
+using TiledMmaQ = decltype(cute::make_tiled_mma(MmaAtomQ{}, Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
 using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
 using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
 #ifndef STAGES
