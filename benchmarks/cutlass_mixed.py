@@ -22,7 +22,10 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
   weight into the MMA (no quantization / only the block amax and scales): timing
   references that split design (g)'s time, not results (compared with the GEMM on the raw
   weight). ``q4e`` / ``q4f`` / ``q4g``: q4c built for E5M2 / rceil, E4M3 / floor and E5M2 /
-  floor (FORMAT_VARIANTS): checked in the exactness section only, not timed.
+  floor (FORMAT_VARIANTS): checked in the exactness section only, not timed. Session 14:
+  ``*l`` / ``*k`` / ``q4m``: our consumer loop (LOOP 2 / 4: a pair of k-blocks or a whole
+  k-tile quantized while the previous ones' wgmmas run; q4m with 2-CTA clusters); ``q9*``:
+  QDQ 5 (QDQ 2 with one slow / fast branch per warp), ``q9e`` / ``q9g`` its E5M2 builds.
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
@@ -57,7 +60,8 @@ CHUNK = 64
 
 # design (g) variants built for another element format / scale mode (build.sh's FMT and MODE
 # columns): checked in the exactness section only, against design (a) under that recipe
-FORMAT_VARIANTS = {"q4e": ("e5m2", "rceil"), "q4f": ("e4m3", "floor"), "q4g": ("e5m2", "floor")}
+FORMAT_VARIANTS = {"q4e": ("e5m2", "rceil"), "q4f": ("e4m3", "floor"), "q4g": ("e5m2", "floor"),
+                   "q9e": ("e5m2", "rceil"), "q9g": ("e5m2", "floor")}
 
 
 def is_design_g(name: str) -> bool:
@@ -108,7 +112,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q0w,q4w,q3w,q4x,q4y,q4e,q4f,q4g")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q9c,q9k,q4e,q4f,q4g,q9e,q9g")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")

@@ -22,9 +22,6 @@
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
 // device pointers only (no host synchronization).
-#if defined(TN) && TN == 320
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the m64n160 wgmma (below)
-#endif
 #include <cstdint>
 #include <cstdio>
 #include "cutlass/cutlass.h"
@@ -84,15 +81,11 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
 // specialization below).
 struct QdqTransform {};
 namespace cd = cutlass::gemm::collective::detail;
-// the wgmma atom: CUTLASS's choice for TN a multiple of 256; TN = 320 (one tile for up to
-// 320 tokens of an expert: the issue's (16384, 2048, 1408, 64) has 209-310 per expert) as
-// two m64n160 wgmmas per k-block (n160 is one of CUTLASS's extended shapes, enabled above;
-// its selector would pick n64 for 320)
-#if TN == 320
-using MmaAtomQ = cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
-#else
+// TN <= 256: the token tile is one TMA box, at most 256 rows (a 320-row tile, two m64n160
+// wgmmas per k-block, failed at run time: cute makes one 320-row box, which the driver
+// refuses, and the kernel then waits forever; benchmarks/NOTES.md, session 14)
+static_assert(TN <= 256, "the token tile is one TMA box: TN <= 256");
 using MmaAtomQ = decltype(cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>());
-#endif
 using TiledMmaQ = decltype(cute::make_tiled_mma(MmaAtomQ{}, Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
 using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
 using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
@@ -197,7 +190,8 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
 }
 
 // QDQ: 1 the float32 arithmetic of design (e); 2 (default) fewer instructions; 4 no float
-// conversion in the decode (exact, but slower on the H200: NOTES.md); timing references,
+// conversion in the decode (exact, but slower on the H200: NOTES.md); 5 QDQ 2 with one slow /
+// fast branch per warp (QDQ 2 computes both paths under predicates); timing references,
 // not results: 0 the raw weight into the MMA (no quantization), 3 the block amax and
 // scales computed, the raw weight into the MMA.
 #ifndef QDQ
@@ -237,6 +231,7 @@ __device__ __forceinline__ RowScale row_scale(uint32_t amax16) {
   r.sc2 = nf ? 0x7FC07FC0u : (uint32_t(127 + e) << 7) * 0x10001u;
   uint32_t s = uint32_t(e + 127) << 23;
   if (e < -126) s = 0x400000u;
+  if (nf) s = 0x7FC00000u;  // QDQ 5's warp-wide slow path runs for the non-finite rows too
   r.sc = __uint_as_float(s);
   r.slow = e < kFastMin && !nf;
   return r;
@@ -260,16 +255,20 @@ __device__ __forceinline__ uint32_t decode_slow(unsigned short h, float sc) {
   return out;
 }
 
-__device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
-  const unsigned short h = encode_pair(x, r.inv2);
-  if (r.slow) return decode_slow(h, r.sc);
-  const uint32_t g = codes_to_f16x2(h);  // exact bf16 values: pack, then times 2^e in bf16x2
+// QDQ 2's fast decode: the codes' exact values packed to bf16, then times 2^e in bf16x2
+__device__ __forceinline__ uint32_t decode_bf16(unsigned short h, uint32_t sc2) {
+  const uint32_t g = codes_to_f16x2(h);
   const float y0 = __half2float(__ushort_as_half((unsigned short)(g & 0xFFFFu)));
   const float y1 = __half2float(__ushort_as_half((unsigned short)(g >> 16)));
   uint32_t b, out;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(y1), "f"(y0));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(b), "r"(r.sc2));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(b), "r"(sc2));
   return out;
+}
+
+__device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
+  const unsigned short h = encode_pair(x, r.inv2);
+  return r.slow ? decode_slow(h, r.sc) : decode_bf16(h, r.sc2);
 }
 
 // QDQ 4: QDQ 2 with the decode of the two E4M3/E5M2 codes done in integer arithmetic
@@ -357,6 +356,8 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
 #if QDQ == 4
     // rows r and r + 8, and whether a lane of the warp has a slow row (element 2's .slow)
     return cute::make_tuple(cutlass::Array<mxq::RowScale4, 3>{});
+#elif QDQ == 5
+    return cute::make_tuple(cutlass::Array<mxq::RowScale, 3>{});  // the same for QDQ 5
 #elif QDQ >= 2 || QDQ == 0
     return cute::make_tuple(cutlass::Array<mxq::RowScale, 2>{});  // rows r and r + 8
 #else
@@ -402,6 +403,9 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
 #elif QDQ >= 2
       rs[0] = mxq::row_scale(m & 0xFFFFu);
       rs[1] = mxq::row_scale(m >> 16);
+#if QDQ == 5
+      rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);  // one branch per warp
+#endif
 #else
       mxq::block_scale(m & 0xFFFFu, s[0], s[1]);
       mxq::block_scale(m >> 16, s[2], s[3]);
@@ -420,6 +424,16 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
     } else {
       q[0] = mxq::decode_fast(h0, rs[0].sc2); q[1] = mxq::decode_fast(h1, rs[1].sc2);
       q[2] = mxq::decode_fast(h2, rs[0].sc2); q[3] = mxq::decode_fast(h3, rs[1].sc2);
+    }
+#elif QDQ == 5
+    const unsigned short h0 = mxq::encode_pair(w[0], rs[0].inv2), h1 = mxq::encode_pair(w[1], rs[1].inv2);
+    const unsigned short h2 = mxq::encode_pair(w[2], rs[0].inv2), h3 = mxq::encode_pair(w[3], rs[1].inv2);
+    if (rs[2].slow) {
+      q[0] = mxq::decode_slow(h0, rs[0].sc); q[1] = mxq::decode_slow(h1, rs[1].sc);
+      q[2] = mxq::decode_slow(h2, rs[0].sc); q[3] = mxq::decode_slow(h3, rs[1].sc);
+    } else {
+      q[0] = mxq::decode_bf16(h0, rs[0].sc2); q[1] = mxq::decode_bf16(h1, rs[1].sc2);
+      q[2] = mxq::decode_bf16(h2, rs[0].sc2); q[3] = mxq::decode_bf16(h3, rs[1].sc2);
     }
 #elif QDQ == 2
     q[0] = mxq::qdq_pair2(w[0], rs[0]);
