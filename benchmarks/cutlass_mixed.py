@@ -25,7 +25,9 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
   floor (FORMAT_VARIANTS): checked in the exactness section only, not timed. Session 14:
   ``*l`` / ``*k`` / ``q4m``: our consumer loop (LOOP 2 / 4: a pair of k-blocks or a whole
   k-tile quantized while the previous ones' wgmmas run; q4m with 2-CTA clusters); ``q9*``:
-  QDQ 5 (QDQ 2 with one slow / fast branch per warp), ``q9e`` / ``q9g`` its E5M2 builds.
+  QDQ 5 (QDQ 2 with one slow / fast branch per warp), ``q9e`` / ``q9g`` its E5M2 builds;
+  ``*w`` / ``q9x``: 128 x 320 tiles (two m64n160 wgmmas per k-block; one token tile for up to
+  320 tokens of an expert), q9x with LOOP 4.
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
@@ -112,7 +114,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q9c,q9k,q4e,q4f,q4g,q9e,q9g")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q9c,q9k,q0w,q4w,q9w,q3w,q9x,q4e,q4f,q4g,q9e,q9g")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")

@@ -52,6 +52,6 @@ while read -r name v tm tn tk cm st qdq pp early fmt mode loop; do
 done <<< "$VARIANTS"
 wait || true
 for o in "${objs[@]}"; do [ -f "$o" ] || { echo "build failed: $(basename "${o%.o}")" >&2; tail -5 "${o%.o}.log" >&2; exit 1; }; done
-grep -h -E "registers|C75" "$TMP"/*.log | sort | uniq -c
+grep -h -E "registers|C75|[1-9][0-9]* bytes spill" "$TMP"/*.log | sort | uniq -c
 nvcc -shared -cudart static -arch=sm_90a ${LDFLAGS:-} -o "$OUT" "${objs[@]}"
 echo "built $OUT"

@@ -22,6 +22,9 @@
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
 // device pointers only (no host synchronization).
+#if defined(TN) && TN == 320
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the m64n160 wgmma (below)
+#endif
 #include <cstdint>
 #include <cstdio>
 #include "cutlass/cutlass.h"
@@ -81,14 +84,33 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
 // specialization below).
 struct QdqTransform {};
 namespace cd = cutlass::gemm::collective::detail;
-// TN <= 256: the token tile is one TMA box, at most 256 rows (a 320-row tile, two m64n160
-// wgmmas per k-block, failed at run time: cute makes one 320-row box, which the driver
-// refuses, and the kernel then waits forever; benchmarks/NOTES.md, session 14)
-static_assert(TN <= 256, "the token tile is one TMA box: TN <= 256");
+// The wgmma atom: CUTLASS's choice for TN a multiple of 256 (one m64n256 per k-block); TN =
+// 320 (one tile for up to 320 tokens of an expert: the issue's (16384, 2048, 1408, 64) has
+// 209-310 per expert, two 256-token tiles for half of them) as two m64n160 wgmmas per
+// k-block (n160 is one of CUTLASS's extended shapes, enabled at the top; the selector would
+// pick n64 for 320).
+#if TN == 320
+using MmaAtomQ = cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+#else
+static_assert(TN <= 256, "the token tile is one TMA box (at most 256 rows) unless TN = 320");
 using MmaAtomQ = decltype(cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>());
+#endif
 using TiledMmaQ = decltype(cute::make_tiled_mma(MmaAtomQ{}, Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
 using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
+#if TN == 320
+// The token tile in shared memory as two 160-row halves with a gap between them: a TMA
+// box holds at most 256 rows, and cute makes one box of a contiguous 320-row tile (the driver
+// refuses it and the kernel then waits forever: tried at ea8e339); the 4 KiB gap makes each half
+// one box (two TMA loads per stage) and the B operand of one m64n160 wgmma. 128-byte swizzle,
+// K-major, as CUTLASS's own atom; the gap keeps the swizzle period and the stride divisibility cute needs.
+using SmemAtomB128 = GMMA::Layout_K_SW128_Atom<Bf16>;
+static_assert(TK == 64, "TN = 320 builds its token tile for TK = 64");
+using SmemAtomBQ = decltype(cute::make_composed_layout(
+    SmemAtomB128{}.layout_a(), SmemAtomB128{}.offset(),
+    Layout<Shape<Shape<_8, Int<20>, _2>, _64>, Stride<Stride<_64, _512, Int<160 * 64 + 2048>>, _1>>{}));
+#else
 using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
+#endif
 #ifndef STAGES
 #define STAGES 4
 #endif
