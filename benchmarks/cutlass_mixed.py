@@ -26,8 +26,9 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
   ``*l`` / ``*k`` / ``q4m``: our consumer loop (LOOP 2 / 4: a pair of k-blocks or a whole
   k-tile quantized while the previous ones' wgmmas run; q4m with 2-CTA clusters); ``q9*``:
   QDQ 5 (QDQ 2 with one slow / fast branch per warp), ``q9e`` / ``q9g`` its E5M2 builds;
-  ``*w`` / ``q9x``: 128 x 320 tiles (two m64n160 wgmmas per k-block; one token tile for up to
-  320 tokens of an expert), q9x with LOOP 4.
+  ``*w`` / ``*x`` / ``q9y``: 128 x 320 tiles (two m64n160 wgmmas per k-block; one token
+  tile for up to 320 tokens of an expert), ``*x`` with LOOP 4, ``q9y`` with LOOP 2;
+  ``q9xe`` / ``q9xf`` / ``q9xg``: q9x's E5M2 / floor builds (exactness only).
 
 For each shape of issue 4 and each variant: the GEMM alone (operands prepared), against
 ``torch._grouped_mm`` on bf16 operands in the same process; the bf16 variant's and the
@@ -63,7 +64,8 @@ CHUNK = 64
 # design (g) variants built for another element format / scale mode (build.sh's FMT and MODE
 # columns): checked in the exactness section only, against design (a) under that recipe
 FORMAT_VARIANTS = {"q4e": ("e5m2", "rceil"), "q4f": ("e4m3", "floor"), "q4g": ("e5m2", "floor"),
-                   "q9e": ("e5m2", "rceil"), "q9g": ("e5m2", "floor")}
+                   "q9e": ("e5m2", "rceil"), "q9g": ("e5m2", "floor"),
+                   "q9xe": ("e5m2", "rceil"), "q9xf": ("e4m3", "floor"), "q9xg": ("e5m2", "floor")}
 
 
 def is_design_g(name: str) -> bool:
@@ -114,7 +116,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", required=True, help="the shared library cutlass_mixed/build.sh made")
     ap.add_argument("--out", default=None, help="JSON results")
-    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q9c,q9k,q0w,q4w,q9w,q3w,q9x,q4e,q4f,q4g,q9e,q9g")
+    ap.add_argument("--variants", default="v0a,m1a,m2b,q3c,q4a,q4c,q4t,q4p,q0c,q5c,q6c,q7c,q8c,q4l,q4k,q3k,q4m,q0k,q9c,q9k,q0w,q4w,q9w,q3w,q9x,q0x,q4x,q3x,q9y,q4e,q4f,q4g,q9e,q9g,q9xe,q9xf,q9xg")
     ap.add_argument("--shapes", default="all", help="'all', 'none' (only the exactness checks) or case "
                     "indices, e.g. '2' (0-2: the issue's shapes, 3: skewed)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exactness checks (profiling runs)")

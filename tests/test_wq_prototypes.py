@@ -280,7 +280,10 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 def _qdq2(amax16, x16, fmt, mode, path):
     """QDQ 2 (row_scale, qdq_pair2) for one value: (values, where to compare); path "slow"
-    (the float32 decode, taken per row) or "kernel" (the kernel's own choice per row)."""
+    (the float32 decode, taken per row) or "kernel" (the kernel's own choice per row).
+    QDQ 5 (the same steps, one branch per warp): path "fast" (decode_bf16, where no row of
+    the warp needs the slow path) or "slow5" (decode_slow for every row of a warp that has
+    one slow row, non-finite blocks included)."""
     rs = _body("row_scale")
     e, nf = _scale_exp(amax16, fmt, mode)
     c_inv = _int(r"r\.inv2 = \(uint32_t\((\d+) - e\) << 7\) \* 0x10001u;", rs)
@@ -294,6 +297,10 @@ def _qdq2(amax16, x16, fmt, mode, path):
     slow = _rn_bf16((y.to(torch.float32) * _sc32(e, nf)).to(torch.float64))
     if path == "slow":  # QDQ 2 takes it per row, never for a non-finite block
         return slow, ~nf
+    if path == "fast":  # QDQ 5, a warp whose rows all have e >= kFastMin or are non-finite
+        return fast, (e >= _const("kFastMin", fmt)) | nf
+    if path == "slow5":  # QDQ 5, every row of a warp with one slow row
+        return slow, torch.ones_like(nf)
     return torch.where((e < _const("kFastMin", fmt)) & ~nf, slow, fast), torch.ones_like(nf)
 
 
@@ -365,17 +372,25 @@ def test_design_g_scale_exponent_matches_the_reference_for_every_bf16_amax(fmt, 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
-@pytest.mark.parametrize("qdq", [2, 4])
+@pytest.mark.parametrize("qdq", [2, 4, 5])
 def test_design_g_quantize_dequantize_matches_the_reference(fmt, mode, qdq):
-    """QDQ 2 and QDQ 4 as written in the source, emulated value by value, against the
+    """QDQ 2, QDQ 4 and QDQ 5 as written in the source, emulated value by value, against the
     reference quantizer for blocks of every scale exponent (-127 .. 127), non-finite blocks,
     E4M3/E5M2 subnormal codes and their ties, saturation (floor mode), both signs of zero.
     Both paths of each: the fast one wherever the kernel may take it, the float32 one for
-    every row (QDQ 4 sends a whole warp down it when one of its rows needs it)."""
+    every row (QDQ 4 and QDQ 5 send a whole warp down it when one of its rows needs it)."""
     amax, x = _cases(fmt)
     want = _reference(amax, x, fmt, mode)
-    for path in ("kernel", "slow") if qdq == 2 else ("fast", "slow"):
-        got, where = (_qdq2 if qdq == 2 else _qdq4)(amax, x, fmt, mode, path)
+    if qdq == 5:  # its warp-wide branch, as written in the source
+        src = _src()
+        assert "rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);" in src
+        body = src[src.index("#elif QDQ == 5\n    const unsigned short h0"):]
+        body = body[:body.index("#elif QDQ == 2")]
+        assert body.count("mxq::decode_slow(") == 4 and body.count("mxq::decode_bf16(") == 4
+        assert "if (rs[2].slow) {" in body
+    paths = {2: ("kernel", "slow"), 4: ("fast", "slow"), 5: ("fast", "slow5")}[qdq]
+    for path in paths:
+        got, where = (_qdq4 if qdq == 4 else _qdq2)(amax, x, fmt, mode, path)
         bad = ~_same(got, want) & where
         assert not bad.any(), (f"QDQ {qdq} {path}: {int(bad.sum())} of {x.numel()} values differ, first amax "
                                f"{hex(int(amax[bad][0]))} x {hex(int(x[bad][0]))}: {got[bad][0]} vs {want[bad][0]}")
