@@ -3,7 +3,7 @@ inside it: does a register-operand (RS) mainloop that converts (or quantizes) th
 tile in registers run at the bf16 GEMM's speed? (issue 4, benchmarks/NOTES.md session 13;
 experimental, not used by the library)
 
-The grouped GEMMs are CUTLASS 4.2 ptr-array kernels (``cutlass_mixed/grouped_mixed.cu``,
+The grouped GEMMs are CUTLASS 4.2 ptr-array kernels (``src/mxmoe/kernels/cutlass_wq.cu``,
 built by ``cutlass_mixed/build.sh`` into one shared library), per expert g:
 out[rows of g] (S_g x N) = x_g (S_g x K) . W_g^T, W_g the (N x K) weight as the register
 operand A and the S_g tokens as B. Variants (the library's function prefixes):
@@ -16,7 +16,7 @@ operand A and the S_g tokens as B. Variants (the library's function prefixes):
   32-element blocks are out of its reach, so this is a timing proxy for them, not MXFP8);
 - ``q3*``, ``q4*``, ``q6*``, ``q7*``, ``q8*``: the raw bf16 W, quantized to MXFP8 (E4M3,
   rceil) and dequantized in registers inside the mainloop (design (g), the arithmetic and
-  load order of grouped_mixed.cu's QDQ / EARLY): no pass over the weight. Checked bit for bit against
+  load order of cutlass_wq.cu's QDQ / EARLY): no pass over the weight. Checked bit for bit against
   design (a) (the quantize passes, then the bf16 GEMM), and timed per call as the forward
   runs it: the x pass, then this GEMM. ``q0*`` / ``q5*``: the same kernel with the raw
   weight into the MMA (no quantization / only the block amax and scales): timing

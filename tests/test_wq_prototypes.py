@@ -151,13 +151,13 @@ def test_every_design_refuses_offsets_that_do_not_fit(design):
         fwd(x, w, torch.tensor([4.0]))
 
 
-# ---- design (g) (benchmarks/cutlass_mixed/grouped_mixed.cu): its arithmetic, emulated ----
+# ---- design (g) (src/mxmoe/kernels/cutlass_wq.cu): its arithmetic, emulated ----
 # The kernel runs only on sm90 (benchmarks/cutlass_mixed.py checks it bit for bit against
 # design (a) on the H200). Here its per-element steps are emulated in torch with the
 # constants read out of the CUDA source, and compared with mxmoe's reference quantizer for
 # blocks of every scale exponent: a changed constant, clamp, threshold or NaN rule in the
 # source fails these tests (each was tried by editing a copy of the source).
-CUTLASS_SRC = Path(__file__).resolve().parents[1] / "benchmarks" / "cutlass_mixed" / "grouped_mixed.cu"
+CUTLASS_SRC = Path(__file__).resolve().parents[1] / "src" / "mxmoe" / "kernels" / "cutlass_wq.cu"
 FMTS = {"e4m3": 0, "e5m2": 1}
 
 

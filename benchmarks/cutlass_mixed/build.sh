@@ -19,9 +19,10 @@ if [ ! -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]; then
 fi
 command -v nvcc > /dev/null || { echo "nvcc not found on the PATH (CUDA >= 12.8 needed)" >&2; exit 2; }
 HERE=$(cd "$(dirname "$0")" && pwd)
+SRC=$HERE/../../src/mxmoe/kernels/cutlass_wq.cu  # the kernels (the library builds its design (g) from it too)
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] [FMT] [MODE] [LOOP] (see grouped_mixed.cu;
+# name variant TM TN TK CM [STAGES of variant 3] [QDQ] [PINGPONG] [EARLY] [FMT] [MODE] [LOOP] (see src/mxmoe/kernels/cutlass_wq.cu;
 # FMT 0 E4M3 / 1 E5M2, MODE 0 rceil / 1 floor: benchmarks/cutlass_mixed.py FORMAT_VARIANTS)
 VARIANTS=${VARIANTS:-"v0a 0 128 256 64 2
 m1a 1 128 256 64 2
@@ -47,7 +48,7 @@ while read -r name v tm tn tk cm st qdq pp early fmt mode loop; do
   nvcc -std=c++17 -O3 -DNDEBUG -arch=sm_90a -Xcompiler -fPIC --expt-relaxed-constexpr \
     -I"$CUTLASS_DIR/include" -I"$CUTLASS_DIR/tools/util/include" \
     -DNAME="$name" -DVARIANT="$v" -DTM="$tm" -DTN="$tn" -DTK="$tk" -DCM="$cm" -DSTAGES="${st:-4}" -DQDQ="${qdq:-2}" -DPINGPONG="${pp:-0}" -DEARLY="${early:-1}" -DFMT="${fmt:-0}" -DMODE="${mode:-0}" -DLOOP="${loop:-0}" \
-    -Xptxas -v -c "$HERE/grouped_mixed.cu" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
+    -Xptxas -v -c "$SRC" -o "$TMP/$name.o" 2> "$TMP/$name.log" &
   objs+=("$TMP/$name.o")
 done <<< "$VARIANTS"
 wait || true

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import cutlass_wq
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import fake_quantize, fake_quantize_grouped_tokens_pair
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn, use_native_mx_grouped_mm
-from .weight_cache import dgrad_operand, weight_operands
+from .weight_cache import active_cache, dgrad_operand, weight_operands
 
 
 class _MXGroupedMMFunction(torch.autograd.Function):
@@ -32,18 +33,23 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         # rows past offsets[-1] may hold anything: no GEMM below reads them (the quantizers
         # are row-local along K, the grouped GEMMs read only the groups' rows, the wgrad
         # quantizer only each expert's tokens), and the outputs there are written as zeros
+        ctx.save_for_backward(x_TK, w_ENK, offsets_E)
+        ctx.recipe = recipe
         ctx.native = recipe.quantize and use_native_mx_grouped_mm(x_TK.device, recipe)
         ctx.wq_dgrad = None
         if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
-            ctx.save_for_backward(x_TK, w_ENK, offsets_E)
-            ctx.recipe = recipe
             return native_grouped_mm_nt(x_TK, w_ENK, offsets_E, recipe, out_dtype=dtype)
+        # sm90, few tokens per expert, no cached weight copy: design (g) quantizes the raw
+        # weight inside the GEMM (kernels/cutlass_wq.py), same values as the pass below
+        if active_cache(w_ENK) is None and cutlass_wq.applies(x_TK, w_ENK, offsets_E, recipe):
+            out = cutlass_wq.grouped_mm_nt_wq(fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype), w_ENK,
+                                              offsets_E, recipe)
+            if out is not None:
+                return out
         # w along K; inside weight_copy_cache() also the dgrad copy (along N), from one read
         gemm_dtype = dtype if recipe.quantize else torch.bfloat16
         wq_ENK, ctx.wq_dgrad = weight_operands(w_ENK, recipe, gemm_dtype, dgrad=ctx.needs_input_grad[0])
         xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
-        ctx.save_for_backward(x_TK, w_ENK, offsets_E)
-        ctx.recipe = recipe
         return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
 
     @staticmethod

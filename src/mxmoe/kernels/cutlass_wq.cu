@@ -1,7 +1,9 @@
-// CUTLASS 4.2 sm90 grouped (ptr-array) GEMMs of issue 4, session 13: design (b) with
+// CUTLASS 4.2 sm90 grouped (ptr-array) GEMMs of issue 4, sessions 13-14: design (b) with
 // CUTLASS's mixed-input mainloop, and design (g), the MXFP8 weight quantization inside it
-// (benchmarks/cutlass_mixed.py times and checks them; benchmarks/NOTES.md, session 13).
-// Experimental: the library does not use them.
+// (benchmarks/cutlass_mixed.py times and checks every variant; benchmarks/NOTES.md,
+// sessions 13 and 14). The library (mxmoe/kernels/cutlass_wq.py) builds one of them at first
+// use, VARIANT 3 with the settings of its BUILD, and calls NAME_forward; the other variants
+// are measurements (benchmarks/cutlass_mixed/build.sh builds them all).
 //
 // Per expert g (a group): D_g (Nout x S_g) = W_g (Nout x K) . X_g^T, W the expert weight
 // (the register operand A, K-major), X_g the expert's S_g token rows (B, K-major), D_g
@@ -20,8 +22,8 @@
 //      specialization below; QDQ picks its arithmetic); exact: the values of design
 //      (a)'s quantize pass, bit for bit
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
-// token tile. Built with nvcc -arch=sm_90a into one shared library whose C functions take
-// device pointers only (no host synchronization).
+// token tile. Built with nvcc -arch=sm_90a into a shared library whose C functions take
+// device pointers (NAME_forward: no host synchronization after the first call of a shape).
 #if defined(TN) && TN == 320
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the m64n160 wgmma (below)
 #endif
@@ -37,6 +39,9 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include <cuda_fp16.h>
+#include <map>
+#include <tuple>
+#include <vector>
 
 using namespace cute;
 
@@ -612,7 +617,8 @@ struct State {
 State g_state;
 
 template <class Args>
-void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void* ps, void* pd, int chunk) {
+void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void* ps, void* pd, int chunk,
+               const State& st = g_state) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = 0;
   hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
@@ -625,17 +631,17 @@ void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void*
     using StrideS = typename Mainloop::StrideScale;
     args = Args{cutlass::gemm::GemmUniversalMode::kGrouped,
                 {groups, shapes, nullptr},
-                {reinterpret_cast<ElementW const**>(pa), g_state.dA, reinterpret_cast<Bf16 const**>(pb), g_state.dB,
-                 reinterpret_cast<ElementScale const**>(ps), reinterpret_cast<StrideS const*>(g_state.dS), chunk},
-                {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), g_state.dD},
+                {reinterpret_cast<ElementW const**>(pa), st.dA, reinterpret_cast<Bf16 const**>(pb), st.dB,
+                 reinterpret_cast<ElementScale const**>(ps), reinterpret_cast<StrideS const*>(st.dS), chunk},
+                {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), st.dD},
                 hw};
   }
 #else
   {
     args = Args{cutlass::gemm::GemmUniversalMode::kGrouped,
                 {groups, shapes, nullptr},
-                {reinterpret_cast<ElementW const**>(pa), g_state.dA, reinterpret_cast<Bf16 const**>(pb), g_state.dB},
-                {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), g_state.dD},
+                {reinterpret_cast<ElementW const**>(pa), st.dA, reinterpret_cast<Bf16 const**>(pb), st.dB},
+                {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), st.dD},
                 hw};
   }
 #endif
@@ -684,6 +690,43 @@ int CAT(NAME, _run)(void* problems, void* pa, void* pb, void* ps, void* pd, int 
   }
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 2;
   if (gemm.initialize(args, g_state.workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 3;
+  if (gemm.run(reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 4;
+  return 0;
+}
+
+// The library's entry (mxmoe/kernels/cutlass_wq.py): the same GEMM with the per-group stride
+// arrays and the workspace kept per (groups, nout, k), made on the first call of a shape
+// (cudaMalloc and a synchronous copy: the caller makes that call outside CUDA-graph
+// capture), so that shapes can alternate (layers of different widths) and later calls
+// only launch. problems: int32 (groups, 3) = (Nout, S_g, K); pa / pb / pd: device arrays of
+// the groups' weight, token and output pointers. Returns 0, or 1 (allocation failed), 2
+// (can_implement refused), 3 (initialize failed), 4 (run failed).
+int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd, void* stream) {
+  static std::map<std::tuple<int, int, int>, State> states;
+  const auto key = std::make_tuple(groups, nout, k);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    State st;
+    st.groups = groups; st.nout = nout; st.k = k;
+    std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
+    std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
+    std::vector<StrideD> d(groups, cutlass::make_cute_packed_stride(StrideD{}, {nout, 1 << 20, 1}));
+    if (cudaMalloc(&st.dA, groups * sizeof(StrideA)) || cudaMalloc(&st.dB, groups * sizeof(StrideB)) ||
+        cudaMalloc(&st.dD, groups * sizeof(StrideD))) return 1;
+    cudaMemcpy(st.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice);
+    cudaMemcpy(st.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice);
+    cudaMemcpy(st.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice);
+    typename Gemm::Arguments args;
+    fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, st);
+    st.workspace_bytes = Gemm::get_workspace_size(args);
+    if (st.workspace_bytes && cudaMalloc(&st.workspace, st.workspace_bytes)) return 1;
+    it = states.emplace(key, st).first;
+  }
+  typename Gemm::Arguments args;
+  fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, it->second);
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 2;
+  if (gemm.initialize(args, it->second.workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 3;
   if (gemm.run(reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 4;
   return 0;
 }

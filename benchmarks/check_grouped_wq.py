@@ -1,0 +1,162 @@
+"""Design (g) in the library, on the H200: ``mx_grouped_mm``'s forward through
+``mxmoe.kernels.cutlass_wq`` (the weight quantized inside CUTLASS's grouped GEMM) against the
+same op with it turned off (design (a): the weight quantize pass, then ``torch._grouped_mm``).
+
+Checks, each bit for bit: outputs at the issue's edge cases (group sizes [162, 0, 2577, 446,
+0, 83] with K = 1408, all tokens on one expert, 33 / 64 / 128 / 256 experts, K = 2880, rows
+past the last offset holding NaN, E5M2 and floor recipes), the gradients (the backward is
+design (a)'s either way), a CUDA-graph replay; and that design (g) ran where it should and
+not where it should not (N = 33, T = 0, float32 weights, more than 640 tokens per expert).
+Then the forward per call at the issue's four shapes against bf16 ``torch._grouped_mm`` in
+the same process (CUDA-graph replay). Exits 1 if a check fails.
+
+    MXMOE_CUTLASS_WQ_LIB=<built .so> PYTHONPATH=src:benchmarks python3 benchmarks/check_grouped_wq.py --out r.json
+
+(without MXMOE_CUTLASS_WQ_LIB the library builds the kernel first: nvcc and CUTLASS 4.2's
+headers, mxmoe/kernels/cutlass_wq.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="JSON results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this check runs on the H200", file=sys.stderr)
+        return 2
+    import triton
+    from grouped_gemm import SHAPES, SKEWED, group_sizes
+    from quantize import bench
+
+    from mxmoe.kernels import cutlass_wq
+    from mxmoe.ops.grouped_mm import mx_grouped_mm
+    from mxmoe.recipe import get_recipe
+
+    dev = torch.device("cuda")
+    calls = {"n": 0}
+    real = cutlass_wq.grouped_mm_nt_wq
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    cutlass_wq.grouped_mm_nt_wq = counted
+
+    def run(x, w, offs, recipe, g: bool, grad: bool = False):
+        os.environ["MXMOE_GROUPED_WQ"] = "1" if g else "0"
+        before = calls["n"]
+        xx = x.detach().clone().requires_grad_(grad)
+        ww = w.detach().clone().requires_grad_(grad)
+        out = mx_grouped_mm(xx, ww, offs, recipe)
+        grads = None
+        if grad:
+            dy = torch.randn_like(out, generator=torch.Generator(dev).manual_seed(1))
+            out.backward(dy)
+            grads = (xx.grad, ww.grad)
+        torch.cuda.synchronize()
+        return out, grads, calls["n"] > before
+
+    def same(a, b) -> bool:
+        return a.shape == b.shape and bool((a.view(torch.int16) == b.view(torch.int16)).all())
+
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+            "lib": os.environ.get("MXMOE_CUTLASS_WQ_LIB", "built by the library")}
+    print(json.dumps(info), flush=True)
+    checks = {}
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def case(name, sizes, K, N, recipe="mxfp8", wdtype=torch.bfloat16, pad=0, expect=True, grad=False):
+        r = get_recipe(recipe)
+        E, T = len(sizes), sum(sizes) + pad
+        x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+        if pad:
+            x[T - pad:] = float("nan")  # rows past the last offset: never read
+        w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(wdtype)
+        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        try:
+            og, gg, ran = run(x, w, offs, r, True, grad)
+            oa, ga, _ = run(x, w, offs, r, False, grad)
+            ok = same(og, oa) and ran == expect and not (pad and og[T - pad:].abs().sum().item() != 0)
+            if grad:
+                ok = ok and same(gg[0], ga[0]) and same(gg[1].to(torch.bfloat16), ga[1].to(torch.bfloat16))
+            checks[name] = {"ok": ok, "design_g_ran": ran, "expected": expect}
+        except Exception as e:  # noqa: BLE001 - report and go on
+            checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print(f"  {name:58s} {checks[name]}", flush=True)
+
+    case("sizes [162,0,2577,446,0,83] K=1408 N=64, grads", [162, 0, 2577, 446, 0, 83], 1408, 64, grad=True)
+    case("all tokens on one expert (E=8, 2048)", [0, 0, 2048, 0, 0, 0, 0, 0], 2048, 256)
+    for E in (33, 64, 128, 256):
+        case(f"E={E}, 200 tokens each, K=2048 N=1408", [200] * E, 2048, 1408)
+    case("K=2880 N=256, ragged", [300, 17, 0, 900, 31], 2880, 256)
+    case("rows past the last offset are NaN", [100, 0, 250], 1024, 128, pad=77)
+    case("E5M2 recipe", [200, 0, 300, 57], 1408, 128, recipe=get_recipe("mxfp8", fmt="e5m2"))
+    case("floor scales", [200, 0, 300, 57], 1408, 128, recipe="mxfp8-floor")
+    case("N=33: design (a)", [100, 200], 256, 33, expect=False)
+    case("T=0: design (a)", [0, 0, 0], 256, 64, expect=False)
+    case("float32 weights: design (a)", [100, 200], 256, 64, wdtype=torch.float32, expect=False)
+    case("1000 tokens per expert: design (a)", [1000, 1000], 256, 64, expect=False)
+
+    # a CUDA-graph replay (the shape ran once before the capture)
+    r = get_recipe("mxfp8")
+    sizes = [250, 0, 310, 180]
+    x = torch.randn(sum(sizes), 2048, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(4, 1408, 2048, device=dev) * 0.02).to(torch.bfloat16)
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    os.environ["MXMOE_GROUPED_WQ"] = "1"
+    eager = mx_grouped_mm(x, w, offs, r)
+    g = torch.cuda.CUDAGraph()
+    before = calls["n"]
+    with torch.cuda.graph(g):
+        static = mx_grouped_mm(x, w, offs, r)
+    g.replay()
+    torch.cuda.synchronize()
+    checks["CUDA graph replay"] = {"ok": same(static, eager) and calls["n"] > before}
+    print(f"  {'CUDA graph replay':58s} {checks['CUDA graph replay']}", flush=True)
+
+    rows = []
+    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
+    for (T, K, N, E), skewed in cases:
+        sizes = group_sizes(T, E, skewed)
+        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
+        t = {"bf16 torch._grouped_mm": bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))}
+        for label, on in (("mx_grouped_mm fwd, design (g) allowed", "1"), ("mx_grouped_mm fwd, design (a)", "0")):
+            os.environ["MXMOE_GROUPED_WQ"] = on
+            mx_grouped_mm(x, w, offs, r)  # a shape's first call runs outside the graph capture
+            before = calls["n"]
+            t[label] = bench(lambda: mx_grouped_mm(x, w, offs, r))
+            if on == "1":
+                t["(g) ran"] = calls["n"] > before
+        base = t["bf16 torch._grouped_mm"]
+        row = {"shape": [T, K, N, E], "skewed": skewed, "tokens per expert": [min(sizes), max(sizes)],
+               "design (g) ran": t.pop("(g) ran"), "us": {k: round(v * 1e6, 1) for k, v in t.items()},
+               "x bf16": {k: round(base / v, 3) for k, v in t.items()}}
+        rows.append(row)
+        print(f"\nT={T} K={K} N={N} E={E}{' skewed' if skewed else ''} (design (g) ran: {row['design (g) ran']})")
+        for k in t:
+            print(f"  {k:44s} {row['us'][k]:9.1f} us {row['x bf16'][k]:7.3f}x")
+    os.environ["MXMOE_GROUPED_WQ"] = "1"
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "checks": checks, "rows": rows}, f, indent=1)
+    failed = [k for k, v in checks.items() if not v["ok"]]
+    for k in failed:
+        print(f"FAIL {k}: {checks[k]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Design (g) on sm90: the MXFP8 weight quantization inside CUTLASS's grouped GEMM (forward).
+
+``mx_grouped_mm``'s forward on the H200 normally quantizes the weight in a pass of its own
+(design (a): quantize-dequantize along K, then a bf16 ``torch._grouped_mm``). When there are
+few tokens per expert that pass costs more than the GEMM: at (T, K, N, E) = (16384, 2048,
+1408, 64) the weight is 5.5x the tokens. Design (g) reads the raw bf16 weight in the GEMM
+and quantizes each weight tile to MXFP8 in registers, between the tensor-core
+instructions, inside CUTLASS 4.2's sm90 mixed-input (register-operand) mainloop:
+``cutlass_wq.cu`` (VARIANT 3), the block rules of docs/NUMERICS.md in integer and bf16x2
+arithmetic, bit-equal to design (a) (checked on the H200 for E4M3 / E5M2, rceil / floor:
+``benchmarks/cutlass_mixed.py``; its arithmetic is emulated against the reference on the
+CPU: tests/test_wq_prototypes.py). Tiles of 128 weight rows x 320 tokens (two m64n160
+wgmmas per k-block), so that an expert of up to 320 tokens is one tile and its weight is
+quantized once.
+
+Measured on the H200 (benchmarks/results/h200_design_g/, session 14): the forward per call
+(the x pass, then this GEMM) at 0.92x bf16 ``torch._grouped_mm`` at (16384, 2048, 1408, 64),
+against 0.60x for design (a); at 1024 tokens per expert about even with (a) (0.77-0.78x),
+at 2048 slower (0.75 against 0.85). :func:`applies` therefore takes it up to
+``MAX_TOKENS_PER_EXPERT`` tokens per expert on average.
+
+The kernel is compiled at first use, once per (element format, scale mode), with ``nvcc``
+(CUDA >= 12.8: ``MXMOE_NVCC``, ``nvcc`` on the PATH or ``$CUDA_HOME/bin``) and CUTLASS 4.2's
+headers (``MXMOE_CUTLASS_DIR``, a CUTLASS checkout with ``include/`` and
+``tools/util/include/``, else the ``cutlass_library`` package of the ``nvidia-cutlass`` wheel),
+~2 minutes, into ``MXMOE_CACHE_DIR`` (default ``~/.cache/mxmoe``), named by a hash of the
+source and the build settings (:func:`cached_path`; a filled cache folder can be copied to
+another machine); ``MXMOE_NVCC_FLAGS`` adds flags (not hashed: e.g. ``-L<dir>`` where nvcc
+does not find ``libcudart_static.a``, as with the CUDA wheels); ``MXMOE_CUTLASS_WQ_LIB``
+names one library built before (:func:`build_command`) instead. Without a toolkit, headers or an sm90 GPU, or when the build
+fails (a warning says why, once), design (a) runs: the same values. ``MXMOE_GROUPED_WQ=0``
+turns design (g) off. Forward only: the dgrad and wgrad stay design (a)'s.
+
+Untested on anything but the H200 (sm90a code: it does not run on sm100).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cutlass_wq.cu")
+# the build of cutlass_wq.cu the library runs (benchmarks/cutlass_mixed.py's q9x family):
+# 128 x 320 x 64 tiles, 3 stages, no cluster, QDQ 5 arithmetic, our k-tile consumer loop
+BUILD = {"VARIANT": 3, "TM": 128, "TN": 320, "TK": 64, "CM": 1, "STAGES": 3, "QDQ": 5, "PINGPONG": 0,
+         "EARLY": 1, "LOOP": 4}
+FORMATS = {"e4m3": 0, "e5m2": 1}
+SCALE_MODES = {"rceil": 0, "floor": 1}
+# design (g) for at most this many tokens per expert on average (measured: 256 per expert
+# 0.92x against (a)'s 0.60x; 1024 about even; 2048 slower)
+MAX_TOKENS_PER_EXPERT = 640
+_ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of the output)
+
+_LIBS: dict[tuple[str, str], ctypes.CDLL] = {}
+_FAILED: dict[tuple[str, str], str] = {}
+_SHAPES: set[tuple] = set()  # (format, mode, E, N, K) whose first call (allocations) has run
+
+
+def enabled() -> bool:
+    """False when ``MXMOE_GROUPED_WQ=0`` turns design (g) off."""
+    return os.environ.get("MXMOE_GROUPED_WQ", "1") != "0"
+
+
+def cutlass_dir() -> Path | None:
+    """The CUTLASS 4.2 root whose ``include/cutlass/cutlass.h`` the build uses:
+    ``MXMOE_CUTLASS_DIR``, else the ``cutlass_library`` package's ``source`` folder (the
+    ``nvidia-cutlass`` wheel), else None."""
+    env = os.environ.get("MXMOE_CUTLASS_DIR")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "source"
+
+
+def nvcc_path() -> str | None:
+    """``MXMOE_NVCC``, else ``nvcc`` on the PATH, else ``$CUDA_HOME/bin/nvcc``, else None."""
+    env = os.environ.get("MXMOE_NVCC")
+    if env:
+        return env
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    cand = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
+    return str(cand) if cand is not None and cand.exists() else None
+
+
+def symbol(fmt: str, mode: str) -> str:
+    """The C entry of the build for (fmt, mode): ``g_<fmt>_<mode>_forward``."""
+    return f"g_{fmt}_{mode}_forward"
+
+
+def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
+                  cutlass: str | os.PathLike = "CUTLASS") -> list[str]:
+    """The nvcc command that builds the library's design (g) for element format ``fmt``
+    ("e4m3" / "e5m2") and scale mode ``mode`` ("rceil" / "floor") into the shared library
+    ``out`` (sm_90a, the CUDA runtime linked statically).
+
+    Raises:
+        ValueError: an unknown format or mode.
+    """
+    if fmt not in FORMATS or mode not in SCALE_MODES:
+        raise ValueError(f"design (g) builds for formats {sorted(FORMATS)} and scale modes {sorted(SCALE_MODES)}, "
+                         f"got {fmt!r} / {mode!r}")
+    name = symbol(fmt, mode)[: -len("_forward")]
+    macros = {**BUILD, "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": name}
+    return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+            f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
+            *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out), str(SOURCE)]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MXMOE_CACHE_DIR") or Path.home() / ".cache" / "mxmoe")
+
+
+def cached_path(fmt: str, mode: str) -> Path:
+    """Where the build for (fmt, mode) is cached: ``MXMOE_CACHE_DIR`` (default
+    ``~/.cache/mxmoe``), named by a hash of the source and the build settings (not of the
+    nvcc and CUTLASS locations, so a cache folder can be copied to another machine)."""
+    cmd = build_command(fmt, mode, "OUT")
+    digest = hashlib.sha256((SOURCE.read_text() + "\0".join(cmd)).encode()).hexdigest()[:16]
+    return _cache_dir() / f"cutlass_wq_{fmt}_{mode}_{digest}.so"
+
+
+def _build(fmt: str, mode: str) -> Path:
+    """The cached library for (fmt, mode), compiled now if missing (atomically renamed into
+    the cache, so a crash or a parallel build leaves no partial file)."""
+    path = cached_path(fmt, mode)
+    if path.exists():
+        return path
+    nvcc, cutlass = nvcc_path(), cutlass_dir()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (MXMOE_NVCC, the PATH or $CUDA_HOME/bin; CUDA >= 12.8)")
+    if cutlass is None or not (cutlass / "include" / "cutlass" / "cutlass.h").exists():
+        raise RuntimeError(f"CUTLASS 4.2 headers not found (MXMOE_CUTLASS_DIR or `pip install nvidia-cutlass==4.2.0`; "
+                           f"looked in {cutlass})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        extra = os.environ.get("MXMOE_NVCC_FLAGS", "").split()  # e.g. -L<dir of libcudart_static.a>
+        res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass) + extra, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def library(fmt: str, mode: str) -> ctypes.CDLL | None:
+    """The loaded design (g) library for (fmt, mode): ``MXMOE_CUTLASS_WQ_LIB`` if set, else
+    the cached build (compiled on first use). None if that fails (warned once per format and
+    mode; design (a) runs instead)."""
+    key = (fmt, mode)
+    if key in _LIBS:
+        return _LIBS[key]
+    if key in _FAILED:
+        return None
+    try:
+        lib = ctypes.CDLL(os.environ.get("MXMOE_CUTLASS_WQ_LIB") or str(_build(fmt, mode)))
+        fn = getattr(lib, symbol(fmt, mode))  # AttributeError: a library built for other settings
+        fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5
+        fn.restype = ctypes.c_int
+    except (OSError, RuntimeError, AttributeError) as err:
+        _FAILED[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
+                      f"{fmt} / {mode} ({_FAILED[key]}); the forward quantizes the weight in a pass instead (design "
+                      f"(a), the same values)", RuntimeWarning, stacklevel=3)
+        return None
+    _LIBS[key] = lib
+    return lib
+
+
+def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe) -> bool:
+    """Whether the forward of ``mx_grouped_mm(x, w, offsets, recipe)`` can run design (g):
+    enabled, an sm90 device, x (T, K) and w (E, N, K) contiguous bfloat16, K and N multiples
+    of 8, an MXFP8 recipe (E4M3 or E5M2, blocks of 32, rceil or floor), T <=
+    ``MAX_TOKENS_PER_EXPERT`` * E, T > 0, and not under CUDA-graph capture before this shape
+    (and format) ran once. Cheap: no build, no host synchronization."""
+    if not (enabled() and x.is_cuda and recipe.quantize and recipe.block_size == 32):
+        return False
+    fmt, mode = recipe.fmt.value, recipe.scale_mode.value
+    if fmt not in FORMATS or mode not in SCALE_MODES or (fmt, mode) in _FAILED:
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not (x.is_contiguous() and w.is_contiguous()):
+        return False
+    E, N, K = w.shape
+    T = x.shape[0]
+    if T == 0 or E == 0 or K % _ALIGN or N % _ALIGN or T > MAX_TOKENS_PER_EXPERT * E:
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    if torch.cuda.is_current_stream_capturing() and (fmt, mode, E, N, K) not in _SHAPES:
+        return False  # its first call allocates; a graph cannot hold that
+    return True
+
+
+def pointer_arrays(base: Tensor, starts: Tensor, row_elems: int) -> Tensor:
+    """int64 device addresses of ``base``'s rows ``starts`` (each ``row_elems`` elements
+    further), computed on the device."""
+    return base.data_ptr() + starts.to(torch.int64) * (row_elems * base.element_size())
+
+
+def problem_table(offsets: Tensor, N: int, K: int) -> tuple[Tensor, Tensor]:
+    """(problems, starts): int32 (E, 3) rows (N, tokens of expert e, K), the GEMM of each
+    expert as the kernel takes it (weight rows x tokens x K), and each expert's first row;
+    device operations only. Decreasing offsets give negative token counts, which CUTLASS
+    does not check: the caller validates offsets."""
+    offs = offsets.to(torch.int64)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    sizes = offs - starts
+    problems = torch.stack([torch.full_like(sizes, N), sizes, torch.full_like(sizes, K)], 1).to(torch.int32)
+    return problems.contiguous(), starts
+
+
+def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
+    """out[t] = xq[t] @ Q(w[e])^T for the rows t of expert e, with Q the recipe's MX
+    quantize-dequantize of w along K, done inside the GEMM (design (g)); zero rows past
+    offsets[-1].
+
+    Args:
+        xq: (T, K) bfloat16 contiguous, the tokens (already quantize-dequantized along K).
+        w: (E, N, K) bfloat16 contiguous, the raw expert weights.
+        offsets: (E,) int32 / int64 cumulative end rows on xq's device (non-decreasing,
+            offsets[-1] <= T; not checked here: ``mx_grouped_mm`` documents the contract).
+        recipe: an MXFP8 :class:`~mxmoe.recipe.Recipe` for which :func:`applies` held.
+
+    Returns:
+        (T, N) bfloat16 (float32 accumulation), bit-equal to design (a)'s
+        ``grouped_mm_nt(xq, fake_quantize(w, recipe, dim=2), offsets)``; None if the library
+        is not available (design (a) should run).
+
+    Raises:
+        RuntimeError: the kernel refused the problem or failed to launch (its code).
+    """
+    fmt, mode = recipe.fmt.value, recipe.scale_mode.value
+    lib = library(fmt, mode)
+    if lib is None:
+        return None
+    from ..ops.gemm import zero_rows_past_end
+
+    T, K = xq.shape
+    E, N, _ = w.shape
+    out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
+    problems, starts = problem_table(offsets, N, K)
+    pa = pointer_arrays(w, torch.arange(E, device=w.device), N * K)
+    pb, pd = pointer_arrays(xq, starts, K), pointer_arrays(out, starts, N)
+    rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
+                                          pd.data_ptr(), torch.cuda.current_stream(xq.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"design (g) grouped GEMM failed with code {rc} (1 allocation, 2 problem refused, "
+                           f"3 initialize, 4 launch) for E={E} N={N} K={K}")
+    _SHAPES.add((fmt, mode, E, N, K))
+    return zero_rows_past_end(out, offsets)

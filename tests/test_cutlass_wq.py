@@ -1,0 +1,124 @@
+"""Design (g) in the library (mxmoe.kernels.cutlass_wq): what can be checked without an
+sm90 GPU. The kernel itself runs only on the H200 (benchmarks/check_grouped_wq.py there
+checks it bit for bit against design (a) through mx_grouped_mm); its arithmetic is emulated
+against the reference in tests/test_wq_prototypes.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mxmoe.kernels import cutlass_wq
+from mxmoe.ops.grouped_mm import mx_grouped_mm
+from mxmoe.recipe import get_recipe
+
+
+def test_build_command_builds_the_measured_variant_for_each_format_and_mode():
+    """The library's build is benchmarks/cutlass_mixed.py's q9x family (128 x 320 tiles, QDQ
+    5, the k-tile loop), for sm_90a, with the format and mode as the source reads them."""
+    for fmt, f in (("e4m3", 0), ("e5m2", 1)):
+        for mode, m in (("rceil", 0), ("floor", 1)):
+            cmd = cutlass_wq.build_command(fmt, mode, "/tmp/x.so", "nvcc", "/c")
+            d = dict(a[2:].split("=", 1) for a in cmd if a.startswith("-D") and "=" in a)
+            assert d["FMT"] == str(f) and d["MODE"] == str(m)
+            assert (d["VARIANT"], d["TN"], d["QDQ"], d["LOOP"], d["STAGES"]) == ("3", "320", "5", "4", "3")
+            assert d["NAME"] + "_forward" == cutlass_wq.symbol(fmt, mode)
+            assert "-arch=sm_90a" in cmd and "-shared" in cmd and cmd[-1] == str(cutlass_wq.SOURCE)
+            assert "-I/c/include" in cmd and "-I/c/tools/util/include" in cmd
+    with pytest.raises(ValueError, match="e2m1"):
+        cutlass_wq.build_command("e2m1", "rceil", "/tmp/x.so")
+    with pytest.raises(ValueError, match="nearest"):
+        cutlass_wq.build_command("e4m3", "nearest", "/tmp/x.so")
+
+
+def test_the_source_defines_the_entry_and_ships_with_the_package():
+    src = cutlass_wq.SOURCE.read_text()
+    assert "int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd," in src
+    assert cutlass_wq.SOURCE.parent.name == "kernels" and cutlass_wq.SOURCE.suffix == ".cu"  # pyproject: kernels/*.cu
+
+
+def test_problem_table_and_pointer_arrays():
+    """Each expert's GEMM (N, its tokens, K) and first row from cumulative offsets, empty
+    experts included; row addresses from a base tensor's data pointer."""
+    offs = torch.tensor([162, 162, 2739, 3185, 3185, 3268], dtype=torch.int32)
+    problems, starts = cutlass_wq.problem_table(offs, 64, 1408)
+    assert problems.dtype == torch.int32 and problems.is_contiguous()
+    assert problems.tolist() == [[64, s, 1408] for s in [162, 0, 2577, 446, 0, 83]]
+    assert starts.tolist() == [0, 162, 162, 2739, 3185, 3185]
+    x = torch.zeros(3268, 16, dtype=torch.bfloat16)
+    p = cutlass_wq.pointer_arrays(x, starts, 16)
+    assert p.dtype == torch.int64
+    assert p.tolist() == [x.data_ptr() + s * 16 * 2 for s in starts.tolist()]
+    assert p.tolist()[3] == x[2739].data_ptr()
+
+
+def test_applies_only_to_cuda_bf16_mxfp8():
+    """On the CPU (and for bf16 / non-fp8 recipes) the forward never takes design (g)."""
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    for name in ("mxfp8", "bf16"):
+        assert not cutlass_wq.applies(x, w, offs, get_recipe(name))
+
+
+def test_a_missing_library_warns_once_and_the_forward_runs_design_a(monkeypatch, tmp_path):
+    """A library that cannot be loaded: one warning naming the cause, then None (the caller
+    runs design (a)); the (format, mode) is remembered, so applies() says no after that."""
+    monkeypatch.setenv("MXMOE_CUTLASS_WQ_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(cutlass_wq, "_FAILED", {})
+    monkeypatch.setattr(cutlass_wq, "_LIBS", {})
+    with pytest.warns(RuntimeWarning, match="design \\(g\\).*missing.so"):
+        assert cutlass_wq.library("e5m2", "floor") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cutlass_wq.library("e5m2", "floor") is None  # no second warning
+    assert ("e5m2", "floor") in cutlass_wq._FAILED
+
+
+def test_missing_toolkit_or_headers_are_named(monkeypatch, tmp_path):
+    """_build says what is missing (nvcc, or the CUTLASS headers and how to get them)."""
+    monkeypatch.setenv("MXMOE_NVCC", str(tmp_path / "nvcc"))
+    monkeypatch.setenv("MXMOE_CUTLASS_DIR", str(tmp_path / "cutlass"))
+    with pytest.raises(RuntimeError, match="CUTLASS 4.2 headers not found.*nvidia-cutlass"):
+        cutlass_wq._build("e4m3", "rceil")
+    monkeypatch.setattr(cutlass_wq, "nvcc_path", lambda: None)
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cutlass_wq._build("e4m3", "rceil")
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("MXMOE_GROUPED_WQ", "0")
+    assert not cutlass_wq.enabled()
+    monkeypatch.setenv("MXMOE_GROUPED_WQ", "1")
+    assert cutlass_wq.enabled()
+
+
+def test_cpu_forward_unchanged():
+    """mx_grouped_mm on the CPU still runs design (a) (values of the quantize pass)."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    from mxmoe.ops.gemm import grouped_mm_nt
+    from mxmoe.ops.quantize import fake_quantize
+
+    r = get_recipe("mxfp8")
+    want = grouped_mm_nt(fake_quantize(x, r, dim=1, out_dtype=torch.bfloat16),
+                         fake_quantize(w, r, dim=2, out_dtype=torch.bfloat16), offs)
+    assert torch.equal(mx_grouped_mm(x, w, offs, r), want)
+
+
+def test_cached_path_depends_on_the_build_not_on_the_machine(monkeypatch, tmp_path):
+    """The cache name hashes the source and the settings, not where nvcc and CUTLASS are: a
+    filled cache folder works on another machine; formats and modes get their own files."""
+    monkeypatch.setenv("MXMOE_CACHE_DIR", str(tmp_path))
+    a = cutlass_wq.cached_path("e4m3", "rceil")
+    monkeypatch.setenv("MXMOE_NVCC", "/elsewhere/nvcc")
+    monkeypatch.setenv("MXMOE_CUTLASS_DIR", "/elsewhere/cutlass")
+    assert cutlass_wq.cached_path("e4m3", "rceil") == a and a.parent == tmp_path
+    names = {cutlass_wq.cached_path(f, m).name for f in ("e4m3", "e5m2") for m in ("rceil", "floor")}
+    assert len(names) == 4
+    a.write_bytes(b"")  # a cached file is used as it is: no nvcc or headers needed
+    assert cutlass_wq._build("e4m3", "rceil") == a
