@@ -39,19 +39,26 @@ def test_the_source_defines_the_entry_and_ships_with_the_package():
     assert cutlass_wq.SOURCE.parent.name == "kernels" and cutlass_wq.SOURCE.suffix == ".cu"  # pyproject: kernels/*.cu
 
 
-def test_problem_table_and_pointer_arrays():
-    """Each expert's GEMM (N, its tokens, K) and first row from cumulative offsets, empty
-    experts included; row addresses from a base tensor's data pointer."""
-    offs = torch.tensor([162, 162, 2739, 3185, 3185, 3268], dtype=torch.int32)
-    problems, starts = cutlass_wq.problem_table(offs, 64, 1408)
-    assert problems.dtype == torch.int32 and problems.is_contiguous()
-    assert problems.tolist() == [[64, s, 1408] for s in [162, 0, 2577, 446, 0, 83]]
-    assert starts.tolist() == [0, 162, 162, 2739, 3185, 3185]
-    x = torch.zeros(3268, 16, dtype=torch.bfloat16)
-    p = cutlass_wq.pointer_arrays(x, starts, 16)
-    assert p.dtype == torch.int64
-    assert p.tolist() == [x.data_ptr() + s * 16 * 2 for s in starts.tolist()]
-    assert p.tolist()[3] == x[2739].data_ptr()
+def test_group_tables_from_offsets():
+    """The Triton kernel (interpreter on the CPU) gives each expert's GEMM (N, its tokens,
+    K) and the addresses of its weight, first token row and first output row, empty experts
+    included; more experts than one block of the kernel."""
+    from mxmoe.kernels.group_tables import BLOCK, group_tables
+
+    for sizes in ([162, 0, 2577, 446, 0, 83], [3] * (BLOCK + 7), [0, 0, 5]):
+        E, N, K = len(sizes), 64, 48
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        T = int(offs[-1]) + 9
+        w = torch.zeros(E, N, K, dtype=torch.bfloat16)
+        x = torch.zeros(T, K, dtype=torch.bfloat16)
+        out = torch.empty(T, N, dtype=torch.bfloat16)
+        problems, pa, pb, pd = group_tables(offs, w, x, out)
+        starts = [0] + offs[:-1].tolist()
+        assert problems.dtype == torch.int32 and problems.tolist() == [[N, s, K] for s in sizes]
+        assert pa.tolist() == [w[e].data_ptr() for e in range(E)]
+        assert pb.tolist() == [x.data_ptr() + s * K * 2 for s in starts]
+        assert pd.tolist() == [out.data_ptr() + s * N * 2 for s in starts]
+        assert pb.tolist()[-1] == x[starts[-1]].data_ptr()
 
 
 def test_applies_only_to_cuda_bf16_mxfp8():

@@ -210,24 +210,6 @@ def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe) -> bool:
     return True
 
 
-def pointer_arrays(base: Tensor, starts: Tensor, row_elems: int) -> Tensor:
-    """int64 device addresses of ``base``'s rows ``starts`` (each ``row_elems`` elements
-    further), computed on the device."""
-    return base.data_ptr() + starts.to(torch.int64) * (row_elems * base.element_size())
-
-
-def problem_table(offsets: Tensor, N: int, K: int) -> tuple[Tensor, Tensor]:
-    """(problems, starts): int32 (E, 3) rows (N, tokens of expert e, K), the GEMM of each
-    expert as the kernel takes it (weight rows x tokens x K), and each expert's first row;
-    device operations only. Decreasing offsets give negative token counts, which CUTLASS
-    does not check: the caller validates offsets."""
-    offs = offsets.to(torch.int64)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    sizes = offs - starts
-    problems = torch.stack([torch.full_like(sizes, N), sizes, torch.full_like(sizes, K)], 1).to(torch.int32)
-    return problems.contiguous(), starts
-
-
 def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
     """out[t] = xq[t] @ Q(w[e])^T for the rows t of expert e, with Q the recipe's MX
     quantize-dequantize of w along K, done inside the GEMM (design (g)); zero rows past
@@ -253,13 +235,12 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
     if lib is None:
         return None
     from ..ops.gemm import zero_rows_past_end
+    from .group_tables import group_tables
 
     T, K = xq.shape
     E, N, _ = w.shape
     out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
-    problems, starts = problem_table(offsets, N, K)
-    pa = pointer_arrays(w, torch.arange(E, device=w.device), N * K)
-    pb, pd = pointer_arrays(xq, starts, K), pointer_arrays(out, starts, N)
+    problems, pa, pb, pd = group_tables(offsets, w, xq, out)
     rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
                                           pd.data_ptr(), torch.cuda.current_stream(xq.device).cuda_stream)
     if rc:
