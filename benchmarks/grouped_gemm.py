@@ -7,7 +7,11 @@ For each shape (T tokens, K, N, E experts) and routing, in one process:
   dequantized to bf16 in one memory-bound pass (Triton), then the same BF16
   ``torch._grouped_mm``. Exact: E4M3 code x 2^scale is a bf16 value, and the GEMM
   accumulates in float32. Timed as the library runs it (``mx_grouped_mm``'s forward, and its
-  dgrad and wgrad steps), and split into the quantization passes and the GEMM.
+  dgrad and wgrad steps), and split into the quantization passes and the GEMM. Since
+  session 14 the library's forward takes design (g) (the weight quantized inside CUTLASS's
+  grouped GEMM, ``mxmoe.kernels.cutlass_wq``) on sm90 where it applies (at most 640 tokens
+  per expert: the (16384, 2048, 1408, 64) case) and can be built; the JSON says which ran
+  ("mx fwd design").
   "w cached": the weight's copies from ``mxmoe.weight_copy_cache()`` (made once per
   optimizer step: they do not change between micro-batches), so a GEMM pays only for the
   activation pass; timed as the ops that path runs (the x or dy pass and the GEMM on the
@@ -43,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from mxmoe.kernels import cutlass_wq
 from mxmoe.ops.gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from mxmoe.ops.grouped_mm import mx_grouped_mm
 from mxmoe.ops.quantize import (fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair,
@@ -176,8 +181,11 @@ def main() -> int:
             t["bf16 fwd"] = bench(lambda: grouped_mm_nt(x, w, offs), smoke)
             t["bf16 dgrad"] = bench(lambda: grouped_mm_nn(dy, w, offs), smoke)
             t["bf16 wgrad"] = bench(lambda: grouped_mm_tn(dy.t(), x.t(), offs), smoke)
-        # mxfp8 design (a): quantize-dequantize passes + bf16 grouped GEMM
+        # the library's forward: design (g) where it applies (kernels/cutlass_wq.py), else
+        # design (a): quantize-dequantize passes + bf16 grouped GEMM
         t["mx fwd"] = bench(lambda: mx_grouped_mm(x, w, offs, recipe), smoke)
+        fwd_design = "(g)" if not smoke and cutlass_wq.applies(x, w, offs, recipe) and \
+            cutlass_wq.library(recipe.fmt.value, recipe.scale_mode.value) is not None else "(a)"
         xq = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
         wq_k = fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16)
         wq_n = fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16)
@@ -238,7 +246,8 @@ def main() -> int:
 
         row = {"T": T, "K": K, "N": N, "E": E, "skewed": skewed, "sizes_min_max": [min(sizes), max(sizes)],
                "us": {k: v * 1e6 for k, v in t.items()}, "exact_fwd_vs_bf16_of_dequantized": exact,
-               "exact_wgrad_pair_vs_two_launches": pair_exact, "exact_cached_vs_per_call": cached_exact}
+               "exact_wgrad_pair_vs_two_launches": pair_exact, "exact_cached_vs_per_call": cached_exact,
+               "mx fwd design": fwd_design}
         for op in ("fwd", "dgrad", "wgrad"):
             row[f"ratio {op}"] = t[f"bf16 {op}"] / t[f"mx {op}"]
         for op in ("fwd", "dgrad"):
@@ -253,7 +262,7 @@ def main() -> int:
         rows.append(row)
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
         print(f"\n{name}  (sizes {min(sizes)}..{max(sizes)}; design a exact: {exact}; wgrad pair exact: "
-              f"{pair_exact}; cached exact: {cached_exact})")
+              f"{pair_exact}; cached exact: {cached_exact}; mx fwd: design {fwd_design})")
         print(f"  {'what':40s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
         for k, v in t.items():
             op = k.split()[1].rstrip(":,") if k.startswith(("mx", "bf16")) else None
