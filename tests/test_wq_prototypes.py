@@ -384,10 +384,10 @@ def test_design_g_quantize_dequantize_matches_the_reference(fmt, mode, qdq):
     if qdq == 5:  # its warp-wide branch, as written in the source
         src = _src()
         assert "rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);" in src
-        body = src[src.index("#elif QDQ == 5\n    const unsigned short h0"):]
+        body = src[src.index("#elif QDQ == 4 || QDQ == 5\n"):]
         body = body[:body.index("#elif QDQ == 2")]
-        assert body.count("mxq::decode_slow(") == 4 and body.count("mxq::decode_bf16(") == 4
-        assert "if (rs[2].slow) {" in body
+        assert "if (rs[2].slow) {\n      for (int i = 0; i < 4; ++i) q[i] = mxq::decode_slow(h[i], rs[i & 1].sc);" in body
+        assert "QDQ == 4 ? mxq::decode_fast(h[i], rs[i & 1].sc2) : mxq::decode_bf16(h[i], rs[i & 1].sc2);" in body
     paths = {2: ("kernel", "slow"), 4: ("fast", "slow"), 5: ("fast", "slow5")}[qdq]
     for path in paths:
         got, where = (_qdq4 if qdq == 4 else _qdq2)(amax, x, fmt, mode, path)

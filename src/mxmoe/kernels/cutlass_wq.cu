@@ -442,25 +442,16 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
     // the scales computed (an empty volatile asm uses them), the raw weight into the MMA
     asm volatile("" :: "r"(rs[0].inv2), "r"(rs[0].sc2), "r"(rs[1].inv2), "r"(rs[1].sc2));
     for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(q[i]) : "r"(w[i]), "r"(0x3F803F80u));
-#elif QDQ == 4
-    const unsigned short h0 = mxq::encode_pair(w[0], rs[0].inv2), h1 = mxq::encode_pair(w[1], rs[1].inv2);
-    const unsigned short h2 = mxq::encode_pair(w[2], rs[0].inv2), h3 = mxq::encode_pair(w[3], rs[1].inv2);
+#elif QDQ == 4 || QDQ == 5
+    // one slow / fast branch per warp (rs[2].slow: a real branch, not both paths under
+    // predicates); the fast decode: QDQ 4's in integer arithmetic, QDQ 5's that of QDQ 2
+    const unsigned short h[4] = {mxq::encode_pair(w[0], rs[0].inv2), mxq::encode_pair(w[1], rs[1].inv2),
+                                 mxq::encode_pair(w[2], rs[0].inv2), mxq::encode_pair(w[3], rs[1].inv2)};
     if (rs[2].slow) {
-      q[0] = mxq::decode_slow(h0, rs[0].sc); q[1] = mxq::decode_slow(h1, rs[1].sc);
-      q[2] = mxq::decode_slow(h2, rs[0].sc); q[3] = mxq::decode_slow(h3, rs[1].sc);
+      for (int i = 0; i < 4; ++i) q[i] = mxq::decode_slow(h[i], rs[i & 1].sc);
     } else {
-      q[0] = mxq::decode_fast(h0, rs[0].sc2); q[1] = mxq::decode_fast(h1, rs[1].sc2);
-      q[2] = mxq::decode_fast(h2, rs[0].sc2); q[3] = mxq::decode_fast(h3, rs[1].sc2);
-    }
-#elif QDQ == 5
-    const unsigned short h0 = mxq::encode_pair(w[0], rs[0].inv2), h1 = mxq::encode_pair(w[1], rs[1].inv2);
-    const unsigned short h2 = mxq::encode_pair(w[2], rs[0].inv2), h3 = mxq::encode_pair(w[3], rs[1].inv2);
-    if (rs[2].slow) {
-      q[0] = mxq::decode_slow(h0, rs[0].sc); q[1] = mxq::decode_slow(h1, rs[1].sc);
-      q[2] = mxq::decode_slow(h2, rs[0].sc); q[3] = mxq::decode_slow(h3, rs[1].sc);
-    } else {
-      q[0] = mxq::decode_bf16(h0, rs[0].sc2); q[1] = mxq::decode_bf16(h1, rs[1].sc2);
-      q[2] = mxq::decode_bf16(h2, rs[0].sc2); q[3] = mxq::decode_bf16(h3, rs[1].sc2);
+      for (int i = 0; i < 4; ++i)
+        q[i] = QDQ == 4 ? mxq::decode_fast(h[i], rs[i & 1].sc2) : mxq::decode_bf16(h[i], rs[i & 1].sc2);
     }
 #elif QDQ == 2
     q[0] = mxq::qdq_pair2(w[0], rs[0]);
@@ -616,6 +607,21 @@ struct State {
 };
 State g_state;
 
+// st's per-group stride arrays on the device (every group has the same strides: weights
+// Nout x K, tokens and outputs with K / Nout elements per row); 0, or 1 if an allocation failed
+int alloc_strides(State& st, int groups, int nout, int k) {
+  st.groups = groups; st.nout = nout; st.k = k;
+  std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
+  std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
+  std::vector<StrideD> d(groups, cutlass::make_cute_packed_stride(StrideD{}, {nout, 1 << 20, 1}));
+  if (cudaMalloc(&st.dA, groups * sizeof(StrideA)) || cudaMalloc(&st.dB, groups * sizeof(StrideB)) ||
+      cudaMalloc(&st.dD, groups * sizeof(StrideD))) return 1;
+  cudaMemcpy(st.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice);
+  cudaMemcpy(st.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice);
+  cudaMemcpy(st.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice);
+  return 0;
+}
+
 template <class Args>
 void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void* ps, void* pd, int chunk,
                const State& st = g_state) {
@@ -654,15 +660,7 @@ extern "C" {
 int CAT(NAME, _setup)(int groups, int nout, int k, int chunk) {
   cudaFree(g_state.dA); cudaFree(g_state.dB); cudaFree(g_state.dD); cudaFree(g_state.dS);  // a previous setup's
   g_state.dA = nullptr; g_state.dB = nullptr; g_state.dD = nullptr; g_state.dS = nullptr;
-  g_state.groups = groups; g_state.nout = nout; g_state.k = k;
-  std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
-  std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
-  std::vector<StrideD> d(groups, cutlass::make_cute_packed_stride(StrideD{}, {nout, 1 << 20, 1}));
-  if (cudaMalloc(&g_state.dA, groups * sizeof(StrideA)) || cudaMalloc(&g_state.dB, groups * sizeof(StrideB)) ||
-      cudaMalloc(&g_state.dD, groups * sizeof(StrideD))) return 1;
-  cudaMemcpy(g_state.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice);
-  cudaMemcpy(g_state.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice);
-  cudaMemcpy(g_state.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice);
+  if (alloc_strides(g_state, groups, nout, k)) return 1;
 #if VARIANT == 2
   {
     using StrideS = typename Mainloop::StrideScale;
@@ -707,15 +705,7 @@ int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, v
   auto it = states.find(key);
   if (it == states.end()) {
     State st;
-    st.groups = groups; st.nout = nout; st.k = k;
-    std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
-    std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
-    std::vector<StrideD> d(groups, cutlass::make_cute_packed_stride(StrideD{}, {nout, 1 << 20, 1}));
-    if (cudaMalloc(&st.dA, groups * sizeof(StrideA)) || cudaMalloc(&st.dB, groups * sizeof(StrideB)) ||
-        cudaMalloc(&st.dD, groups * sizeof(StrideD))) return 1;
-    cudaMemcpy(st.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice);
-    cudaMemcpy(st.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice);
-    cudaMemcpy(st.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice);
+    if (alloc_strides(st, groups, nout, k)) return 1;
     typename Gemm::Arguments args;
     fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, st);
     st.workspace_bytes = Gemm::get_workspace_size(args);
