@@ -3,10 +3,11 @@
 same op with it turned off (design (a): the weight quantize pass, then ``torch._grouped_mm``).
 
 Checks, each bit for bit: outputs at the issue's edge cases (group sizes [162, 0, 2577, 446,
-0, 83] with K = 1408, all tokens on one expert, 33 / 64 / 128 / 256 experts, K = 2880, rows
-past the last offset holding NaN, E5M2 and floor recipes), the gradients (the backward is
-design (a)'s either way), a CUDA-graph replay; and that design (g) ran where it should and
-not where it should not (N = 33, T = 0, float32 weights, more than 640 tokens per expert).
+0, 83] with K = 1408, all tokens on one expert, 33 / 64 / 128 / 256 / 300 experts, K = 8 / 40
+/ 1416 / 2880, N = 136, int64 offsets, rows past the last offset holding NaN, every expert
+empty, E5M2 and floor recipes), the gradients (the backward is design (a)'s either way), a
+CUDA-graph replay; and that design (g) ran where it should and not where it should not
+(N = 33, T = 0, float32 weights, a misaligned weight, more than 640 tokens per expert).
 Then the forward per call at the issue's four shapes against bf16 ``torch._grouped_mm`` in
 the same process (CUDA-graph replay). Exits 1 if a check fails.
 
@@ -76,14 +77,19 @@ def main() -> int:
     checks = {}
     gen = torch.Generator(dev).manual_seed(0)
 
-    def case(name, sizes, K, N, recipe="mxfp8", wdtype=torch.bfloat16, pad=0, expect=True, grad=False):
+    def case(name, sizes, K, N, recipe="mxfp8", wdtype=torch.bfloat16, pad=0, expect=True, grad=False,
+             offs_dtype=torch.int32, misalign=False):
         r = get_recipe(recipe)
         E, T = len(sizes), sum(sizes) + pad
         x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
         if pad:
             x[T - pad:] = float("nan")  # rows past the last offset: never read
         w = (torch.randn(E, N, K, device=dev, generator=gen) * 0.05).to(wdtype)
-        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+        if misalign:  # contiguous, but 2 bytes past a 16-byte boundary
+            buf = torch.empty(w.numel() + 1, device=dev, dtype=wdtype)
+            buf[1:].copy_(w.flatten())
+            w = buf[1:].view(E, N, K)
+        offs = torch.tensor(sizes, device=dev).cumsum(0).to(offs_dtype)
         try:
             og, gg, ran = run(x, w, offs, r, True, grad)
             oa, ga, _ = run(x, w, offs, r, False, grad)
@@ -103,6 +109,13 @@ def main() -> int:
     case("rows past the last offset are NaN", [100, 0, 250], 1024, 128, pad=77)
     case("E5M2 recipe", [200, 0, 300, 57], 1408, 128, recipe=get_recipe("mxfp8", fmt="e5m2"))
     case("floor scales", [200, 0, 300, 57], 1408, 128, recipe="mxfp8-floor")
+    case("K=40 (one partial k-tile)", [100, 0, 257, 31], 40, 64)
+    case("K=8", [50, 70], 8, 16)
+    case("K=1416 N=136 (a partial k-tile and tile)", [300, 17, 0, 333], 1416, 136)
+    case("E=300 (tables past one block), 100 tokens each", [100] * 300, 512, 128)
+    case("int64 offsets", [162, 0, 257, 446, 0, 83], 1408, 64, offs_dtype=torch.int64)
+    case("every expert empty, T > 0 (rows all past the end)", [0, 0, 0, 0], 256, 64, pad=50)
+    case("misaligned weight: design (a)", [100, 200], 256, 64, misalign=True, expect=False)
     case("N=33: design (a)", [100, 200], 256, 33, expect=False)
     case("T=0: design (a)", [0, 0, 0], 256, 64, expect=False)
     case("float32 weights: design (a)", [100, 200], 256, 64, wdtype=torch.float32, expect=False)

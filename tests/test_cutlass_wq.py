@@ -1,7 +1,10 @@
 """Design (g) in the library (mxmoe.kernels.cutlass_wq): what can be checked without an
-sm90 GPU. The kernel itself runs only on the H200 (benchmarks/check_grouped_wq.py there
-checks it bit for bit against design (a) through mx_grouped_mm); its arithmetic is emulated
-against the reference in tests/test_wq_prototypes.py."""
+sm90 GPU: the build command and cache, the eligibility rule, the argument tables, the
+dispatch from mx_grouped_mm and its fallbacks. The kernel itself runs only on the H200
+(benchmarks/check_grouped_wq.py there checks it bit for bit against design (a) through
+mx_grouped_mm); its per-value arithmetic is emulated against the reference in
+tests/test_wq_prototypes.py, but which register holds which row and k (the fragment
+layout, the shuffles) is checked only by those H200 runs."""
 
 from __future__ import annotations
 
@@ -61,6 +64,19 @@ def test_group_tables_from_offsets():
         assert pb.tolist()[-1] == x[starts[-1]].data_ptr()
 
 
+def test_group_tables_clamp_offsets_outside_the_contract():
+    """Decreasing offsets or offsets past T give empty or shortened groups inside x and out
+    (design (a) is undefined there too; this keeps the kernel from writing past out)."""
+    from mxmoe.kernels.group_tables import group_tables
+
+    offs = torch.tensor([50, 30, 120, 90, 400], dtype=torch.int32)  # T = 100
+    w = torch.zeros(5, 8, 16, dtype=torch.bfloat16)
+    x, out = torch.zeros(100, 16, dtype=torch.bfloat16), torch.empty(100, 8, dtype=torch.bfloat16)
+    problems, _, pb, _ = group_tables(offs, w, x, out)
+    assert problems[:, 1].tolist() == [50, 0, 70, 0, 10]  # each group: [previous end, its end] clamped to [0, T]
+    assert pb.tolist() == [x.data_ptr() + r * 32 for r in (0, 50, 30, 100, 90)]
+
+
 def test_applies_only_to_cuda_bf16_mxfp8():
     """On the CPU (and for bf16 / non-fp8 recipes) the forward never takes design (g)."""
     x = torch.randn(64, 32, dtype=torch.bfloat16)
@@ -68,6 +84,84 @@ def test_applies_only_to_cuda_bf16_mxfp8():
     offs = torch.tensor([30, 64], dtype=torch.int32)
     for name in ("mxfp8", "bf16"):
         assert not cutlass_wq.applies(x, w, offs, get_recipe(name))
+
+
+def test_eligibility_rule(monkeypatch):
+    """Each condition of the rule, one at a time, from a case that qualifies."""
+    from mxmoe.numerics.formats import ElemFormat
+
+    monkeypatch.setattr(cutlass_wq, "_FAILED", {})
+    r = get_recipe("mxfp8")
+    base = dict(x_shape=(16384, 2048), w_shape=(64, 1408, 2048), dtypes_bf16=True, contiguous=True, w_ptr=1 << 20,
+                recipe=r, capability=(9, 0), capturing=False, seen=False)
+    assert cutlass_wq.eligible(**base)
+    assert cutlass_wq.eligible(**{**base, "recipe": get_recipe("mxfp8", fmt="e5m2")})
+    assert cutlass_wq.eligible(**{**base, "recipe": get_recipe("mxfp8-floor")})
+    assert cutlass_wq.eligible(**{**base, "x_shape": (640 * 64, 2048)})  # the token bound, inclusive
+    assert cutlass_wq.eligible(**{**base, "capturing": True, "seen": True})
+    no = {
+        "bf16 recipe": {"recipe": get_recipe("bf16")},
+        "MXFP6": {"recipe": get_recipe("mxfp8", fmt=ElemFormat.E3M2)},
+        "block 16": {"recipe": get_recipe("mxfp8", block_size=16)},
+        "not bf16": {"dtypes_bf16": False},
+        "not contiguous": {"contiguous": False},
+        "w not 16-byte aligned": {"w_ptr": (1 << 20) + 2},
+        "T = 0": {"x_shape": (0, 2048)},
+        "K = 0": {"x_shape": (16384, 0), "w_shape": (64, 1408, 0)},
+        "N = 0": {"w_shape": (64, 0, 2048)},
+        "E = 0": {"w_shape": (0, 1408, 2048)},
+        "K % 8": {"x_shape": (16384, 2044), "w_shape": (64, 1408, 2044)},
+        "N % 8": {"w_shape": (64, 1404, 2048)},
+        "too many tokens per expert": {"x_shape": (640 * 64 + 1, 2048)},
+        "sm100": {"capability": (10, 0)},
+        "sm89": {"capability": (8, 9)},
+        "capture of an unseen shape": {"capturing": True},
+    }
+    for what, change in no.items():
+        assert not cutlass_wq.eligible(**{**base, **change}), what
+    monkeypatch.setenv("MXMOE_GROUPED_WQ", "0")
+    assert not cutlass_wq.eligible(**base)
+    monkeypatch.setenv("MXMOE_GROUPED_WQ", "1")
+    monkeypatch.setitem(cutlass_wq._FAILED, ("e4m3", "rceil"), "failed before")
+    assert not cutlass_wq.eligible(**base)
+
+
+def test_mx_grouped_mm_dispatch(monkeypatch):
+    """The forward takes design (g) when it applies and no cached weight copy exists, uses
+    its output as it is, runs design (a) when it returns None (a failed library), and never
+    takes it inside weight_copy_cache(); the backward is design (a)'s either way."""
+    import mxmoe
+    from mxmoe.ops import grouped_mm as gm
+    from mxmoe.ops.quantize import fake_quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    r = get_recipe("mxfp8")
+    want = mx_grouped_mm(x, w, offs, r)
+    calls = []
+    marker = torch.full((40, 16), 7.0, dtype=torch.bfloat16)
+
+    def fake(result):
+        def run(xq, w_, offs_, recipe):
+            calls.append(xq)
+            return result
+        return run
+
+    monkeypatch.setattr(gm.cutlass_wq, "applies", lambda *a: True)
+    monkeypatch.setattr(gm.cutlass_wq, "grouped_mm_nt_wq", fake(marker))
+    xx = x.clone().requires_grad_(True)
+    out = mx_grouped_mm(xx, w, offs, r)
+    assert torch.equal(out, marker) and len(calls) == 1
+    assert torch.equal(calls[0], fake_quantize(x, r, dim=1, out_dtype=torch.bfloat16))  # the x pass
+    out.float().sum().backward()
+    assert xx.grad is not None and xx.grad.shape == x.shape
+    monkeypatch.setattr(gm.cutlass_wq, "grouped_mm_nt_wq", fake(None))
+    assert torch.equal(mx_grouped_mm(x, w, offs, r), want) and len(calls) == 2  # None: design (a)
+    with mxmoe.weight_copy_cache():
+        assert torch.equal(mx_grouped_mm(x, w, offs, r), want)
+    assert len(calls) == 2
 
 
 def test_a_missing_library_warns_once_and_the_forward_runs_design_a(monkeypatch, tmp_path):

@@ -7,7 +7,9 @@
 # /tmp/cutlass/cutlass_library/source, where `pip download --no-deps nvidia-cutlass==4.2.0`
 # unzipped into /tmp/cutlass puts them); LDFLAGS e.g. -L<dir of libcudart_static.a> where
 # nvcc does not find it (the CUDA wheels). Each variant is its own translation unit (~1 min
-# of one core and 1-2 GB of memory each); JOBS of them compile at once (default: nproc).
+# of one core and 1-2 GB of memory each, ~2 min for the 320-token tiles); JOBS of them
+# compile at once (default: nproc); VARIANTS="<lines>" builds a subset (the session-14 runs
+# name theirs in benchmarks/results/h200_design_g/README.md).
 set -euo pipefail
 if [ $# -ne 1 ]; then echo "usage: bash benchmarks/cutlass_mixed/build.sh OUT.so" >&2; exit 2; fi
 OUT=$1
@@ -39,7 +41,28 @@ q7c 3 128 256 64 1 4 2 0 1
 q8c 3 128 256 64 1 4 4 0 1
 q4e 3 128 256 64 1 4 2 0 0 1 0
 q4f 3 128 256 64 1 4 2 0 0 0 1
-q4g 3 128 256 64 1 4 2 0 0 1 1"}
+q4g 3 128 256 64 1 4 2 0 0 1 1
+q4l 3 128 256 64 1 4 2 0 0 0 0 2
+q4k 3 128 256 64 1 4 2 0 0 0 0 4
+q3k 3 128 256 64 1 4 1 0 0 0 0 4
+q4m 3 128 256 64 2 4 2 0 0 0 0 4
+q0k 3 128 256 64 1 4 0 0 0 0 0 4
+q9c 3 128 256 64 1 4 5 0 0
+q9k 3 128 256 64 1 4 5 0 0 0 0 4
+q9e 3 128 256 64 1 4 5 0 0 1 0
+q9g 3 128 256 64 1 4 5 0 0 1 1 4
+q0w 3 128 320 64 1 3 0 0 0
+q4w 3 128 320 64 1 3 2 0 0
+q9w 3 128 320 64 1 3 5 0 0
+q3w 3 128 320 64 1 3 1 0 0
+q0x 3 128 320 64 1 3 0 0 0 0 0 4
+q9x 3 128 320 64 1 3 5 0 0 0 0 4
+q4x 3 128 320 64 1 3 2 0 0 0 0 4
+q3x 3 128 320 64 1 3 1 0 0 0 0 4
+q9y 3 128 320 64 1 3 5 0 0 0 0 2
+q9xe 3 128 320 64 1 3 5 0 0 1 0 4
+q9xf 3 128 320 64 1 3 5 0 0 0 1 4
+q9xg 3 128 320 64 1 3 5 0 0 1 1 4"}
 JOBS=${JOBS:-$(nproc)}  # nvcc processes at once (each takes 1-2 GB of memory)
 objs=()
 while read -r name v tm tn tk cm st qdq pp early fmt mode loop; do

@@ -40,6 +40,7 @@
 #include "cutlass/util/packed_stride.hpp"
 #include <cuda_fp16.h>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -607,18 +608,23 @@ struct State {
 };
 State g_state;
 
-// st's per-group stride arrays on the device (every group has the same strides: weights
-// Nout x K, tokens and outputs with K / Nout elements per row); 0, or 1 if an allocation failed
+// st's per-group stride arrays on the current device (every group has the same strides:
+// weights Nout x K, tokens and outputs with K / Nout elements per row); 0, or 1 if an
+// allocation or copy failed (nothing left allocated then)
 int alloc_strides(State& st, int groups, int nout, int k) {
   st.groups = groups; st.nout = nout; st.k = k;
   std::vector<StrideA> a(groups, cutlass::make_cute_packed_stride(StrideA{}, {nout, k, 1}));
   std::vector<StrideB> b(groups, cutlass::make_cute_packed_stride(StrideB{}, {1 << 20, k, 1}));
   std::vector<StrideD> d(groups, cutlass::make_cute_packed_stride(StrideD{}, {nout, 1 << 20, 1}));
   if (cudaMalloc(&st.dA, groups * sizeof(StrideA)) || cudaMalloc(&st.dB, groups * sizeof(StrideB)) ||
-      cudaMalloc(&st.dD, groups * sizeof(StrideD))) return 1;
-  cudaMemcpy(st.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice);
-  cudaMemcpy(st.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice);
-  cudaMemcpy(st.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice);
+      cudaMalloc(&st.dD, groups * sizeof(StrideD)) ||
+      cudaMemcpy(st.dA, a.data(), groups * sizeof(StrideA), cudaMemcpyHostToDevice) ||
+      cudaMemcpy(st.dB, b.data(), groups * sizeof(StrideB), cudaMemcpyHostToDevice) ||
+      cudaMemcpy(st.dD, d.data(), groups * sizeof(StrideD), cudaMemcpyHostToDevice)) {
+    cudaFree(st.dA); cudaFree(st.dB); cudaFree(st.dD);  // cudaFree(nullptr) is a no-op
+    st.dA = nullptr; st.dB = nullptr; st.dD = nullptr;
+    return 1;
+  }
   return 0;
 }
 
@@ -626,8 +632,8 @@ template <class Args>
 void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void* ps, void* pd, int chunk,
                const State& st = g_state) {
   cutlass::KernelHardwareInfo hw;
-  hw.device_id = 0;
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+  cudaGetDevice(&hw.device_id);  // the caller's current device
+  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.f;
   fusion.beta = 0.f;
@@ -693,31 +699,55 @@ int CAT(NAME, _run)(void* problems, void* pa, void* pb, void* ps, void* pd, int 
 }
 
 // The library's entry (mxmoe/kernels/cutlass_wq.py): the same GEMM with the per-group stride
-// arrays and the workspace kept per (groups, nout, k), made on the first call of a shape
-// (cudaMalloc and a synchronous copy: the caller makes that call outside CUDA-graph
-// capture), so that shapes can alternate (layers of different widths) and later calls
-// only launch. problems: int32 (groups, 3) = (Nout, S_g, K); pa / pb / pd: device arrays of
-// the groups' weight, token and output pointers. Returns 0, or 1 (allocation failed), 2
-// (can_implement refused), 3 (initialize failed), 4 (run failed).
-int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd, void* stream) {
-  static std::map<std::tuple<int, int, int>, State> states;
-  const auto key = std::make_tuple(groups, nout, k);
-  auto it = states.find(key);
-  if (it == states.end()) {
-    State st;
-    if (alloc_strides(st, groups, nout, k)) return 1;
-    typename Gemm::Arguments args;
-    fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, st);
-    st.workspace_bytes = Gemm::get_workspace_size(args);
-    if (st.workspace_bytes && cudaMalloc(&st.workspace, st.workspace_bytes)) return 1;
-    it = states.emplace(key, st).first;
+// arrays (read-only) kept per (device, groups, nout, k), made on the first call of a shape on
+// a device (cudaMalloc and synchronous copies: the caller makes that call outside CUDA-graph
+// capture), so that shapes can alternate (layers of different widths) and later calls only
+// launch; a mutex guards the map (ctypes calls run without the GIL). The workspace (the
+// kernel's per-SM TMA descriptors) comes from the caller for each call, from its stream's
+// allocator, so that launches on different streams never share one: NAME_workspace_bytes
+// gives its size. problems: int32 (groups, 3) = (Nout, S_g, K); pa / pb / pd: device arrays
+// of the groups' weight, token and output pointers, on the current device. Returns 0, or 1
+// (allocation or copy failed), 2 (can_implement refused), 3 (initialize failed), 4 (launch
+// failed), 5 (workspace too small); NAME_last_error names the CUDA error behind 1 / 4.
+static cudaError_t g_last_error = cudaSuccess;
+
+long long CAT(NAME, _workspace_bytes)(int groups) {
+  State st;
+  typename Gemm::Arguments args;
+  fill_args(args, groups, nullptr, nullptr, nullptr, nullptr, nullptr, 0, st);
+  return (long long)Gemm::get_workspace_size(args);
+}
+
+const char* CAT(NAME, _last_error)() { return cudaGetErrorString(g_last_error); }
+
+int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd, void* workspace,
+                        long long workspace_bytes, void* stream) {
+  static std::map<std::tuple<int, int, int, int>, State> states;
+  static std::mutex lock;
+  cudaGetLastError();  // a stale error of this (static) runtime would fail the launch check below
+  int device = 0;
+  cudaGetDevice(&device);
+  State st;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    const auto key = std::make_tuple(device, groups, nout, k);
+    auto it = states.find(key);
+    if (it == states.end()) {
+      if (alloc_strides(st, groups, nout, k)) { g_last_error = cudaGetLastError(); return 1; }
+      it = states.emplace(key, st).first;
+    }
+    st = it->second;  // the stride pointers (never freed: one small set per shape and device)
   }
   typename Gemm::Arguments args;
-  fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, it->second);
+  fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, st);
+  if ((long long)Gemm::get_workspace_size(args) > workspace_bytes) return 5;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 2;
-  if (gemm.initialize(args, it->second.workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 3;
-  if (gemm.run(reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 4;
+  if (gemm.initialize(args, workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return 3;
+  if (gemm.run(reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) {
+    g_last_error = cudaGetLastError();
+    return 4;
+  }
   return 0;
 }
 

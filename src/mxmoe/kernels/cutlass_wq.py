@@ -13,10 +13,11 @@ CPU: tests/test_wq_prototypes.py). Tiles of 128 weight rows x 320 tokens (two m6
 wgmmas per k-block), so that an expert of up to 320 tokens is one tile and its weight is
 quantized once.
 
-Measured on the H200 (benchmarks/results/h200_design_g/, session 14): the forward per call
-(the x pass, then this GEMM) at 0.92x bf16 ``torch._grouped_mm`` at (16384, 2048, 1408, 64),
-against 0.60x for design (a); at 1024 tokens per expert about even with (a) (0.77-0.78x),
-at 2048 slower (0.75 against 0.85). :func:`applies` therefore takes it up to
+Measured on the H200 (benchmarks/results/h200_design_g/, session 14): ``mx_grouped_mm``'s
+forward per call (the x pass, then this GEMM) at 0.89-0.90x bf16 ``torch._grouped_mm`` at
+(16384, 2048, 1408, 64) (0e51edc, daef1e9; the kernel alone in the benchmark harness 0.92x),
+against 0.59-0.60x for design (a); at 1024 tokens per expert about even with (a)
+(0.77-0.78x), at 2048 slower (0.75 against 0.85). :func:`applies` therefore takes it up to
 ``MAX_TOKENS_PER_EXPERT`` tokens per expert on average.
 
 The kernel is compiled at first use, once per (element format, scale mode), with ``nvcc``
@@ -41,6 +42,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import subprocess
 import tempfile
 import warnings
@@ -57,13 +59,14 @@ BUILD = {"VARIANT": 3, "TM": 128, "TN": 320, "TK": 64, "CM": 1, "STAGES": 3, "QD
 FORMATS = {"e4m3": 0, "e5m2": 1}
 SCALE_MODES = {"rceil": 0, "floor": 1}
 # design (g) for at most this many tokens per expert on average (measured: 256 per expert
-# 0.92x against (a)'s 0.60x; 1024 about even; 2048 slower)
+# 0.90x against (a)'s 0.60x; 1024 about even; 2048 slower)
 MAX_TOKENS_PER_EXPERT = 640
 _ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of the output)
 
 _LIBS: dict[tuple[str, str], ctypes.CDLL] = {}
 _FAILED: dict[tuple[str, str], str] = {}
-_SHAPES: set[tuple] = set()  # (format, mode, E, N, K) whose first call (allocations) has run
+_SHAPES: set[tuple] = set()  # (device, format, mode, E, N, K) whose first call (allocations) has run
+_WORKSPACE: dict[tuple, int] = {}  # (device, format, mode, E): workspace bytes
 
 
 def enabled() -> bool:
@@ -98,9 +101,10 @@ def nvcc_path() -> str | None:
     return str(cand) if cand is not None and cand.exists() else None
 
 
-def symbol(fmt: str, mode: str) -> str:
-    """The C entry of the build for (fmt, mode): ``g_<fmt>_<mode>_forward``."""
-    return f"g_{fmt}_{mode}_forward"
+def symbol(fmt: str, mode: str, what: str = "forward") -> str:
+    """A C entry of the build for (fmt, mode): ``g_<fmt>_<mode>_<what>`` (forward,
+    workspace_bytes, last_error)."""
+    return f"g_{fmt}_{mode}_{what}"
 
 
 def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
@@ -150,11 +154,14 @@ def _build(fmt: str, mode: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
+    print(f"mxmoe: building design (g) for {fmt} / {mode} with {nvcc} (about 2 minutes, once: cached in {path})",
+          file=sys.stderr, flush=True)
     try:
         extra = os.environ.get("MXMOE_NVCC_FLAGS", "").split()  # e.g. -L<dir of libcudart_static.a>
         res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass) + extra, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -162,52 +169,85 @@ def _build(fmt: str, mode: str) -> Path:
     return path
 
 
+def _load(path: str, fmt: str, mode: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    fwd = getattr(lib, symbol(fmt, mode))  # AttributeError: a library built for other settings
+    fwd.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
+    fwd.restype = ctypes.c_int
+    ws = getattr(lib, symbol(fmt, mode, "workspace_bytes"))
+    ws.argtypes, ws.restype = [ctypes.c_int], ctypes.c_longlong
+    err = getattr(lib, symbol(fmt, mode, "last_error"))
+    err.argtypes, err.restype = [], ctypes.c_char_p
+    return lib
+
+
+def _give_up(key: tuple[str, str], why: str) -> None:
+    """Design (g) off for this (format, mode) in this process, with one warning."""
+    _FAILED[key] = why
+    warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
+                  f"{key[0]} / {key[1]} ({why}); the forward quantizes the weight in a pass instead (design (a), "
+                  f"the same values)", RuntimeWarning, stacklevel=4)
+
+
 def library(fmt: str, mode: str) -> ctypes.CDLL | None:
     """The loaded design (g) library for (fmt, mode): ``MXMOE_CUTLASS_WQ_LIB`` if set, else
-    the cached build (compiled on first use). None if that fails (warned once per format and
-    mode; design (a) runs instead)."""
+    the cached build (compiled on first use; a cached file that does not load is deleted and
+    built once more). None if that fails (warned once per format and mode; design (a) runs
+    instead)."""
     key = (fmt, mode)
     if key in _LIBS:
         return _LIBS[key]
     if key in _FAILED:
         return None
     try:
-        lib = ctypes.CDLL(os.environ.get("MXMOE_CUTLASS_WQ_LIB") or str(_build(fmt, mode)))
-        fn = getattr(lib, symbol(fmt, mode))  # AttributeError: a library built for other settings
-        fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5
-        fn.restype = ctypes.c_int
+        env = os.environ.get("MXMOE_CUTLASS_WQ_LIB")
+        if env:
+            lib = _load(env, fmt, mode)
+        else:
+            path = _build(fmt, mode)
+            try:
+                lib = _load(str(path), fmt, mode)
+            except (OSError, AttributeError):  # a damaged or foreign file in the cache: build it again
+                path.unlink(missing_ok=True)
+                lib = _load(str(_build(fmt, mode)), fmt, mode)
     except (OSError, RuntimeError, AttributeError) as err:
-        _FAILED[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
-                      f"{fmt} / {mode} ({_FAILED[key]}); the forward quantizes the weight in a pass instead (design "
-                      f"(a), the same values)", RuntimeWarning, stacklevel=3)
+        _give_up(key, f"{type(err).__name__}: {err}")
         return None
     _LIBS[key] = lib
     return lib
 
 
-def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe) -> bool:
-    """Whether the forward of ``mx_grouped_mm(x, w, offsets, recipe)`` can run design (g):
-    enabled, an sm90 device, x (T, K) and w (E, N, K) contiguous bfloat16, K and N multiples
-    of 8, an MXFP8 recipe (E4M3 or E5M2, blocks of 32, rceil or floor), T <=
-    ``MAX_TOKENS_PER_EXPERT`` * E, T > 0, and not under CUDA-graph capture before this shape
-    (and format) ran once. Cheap: no build, no host synchronization."""
-    if not (enabled() and x.is_cuda and recipe.quantize and recipe.block_size == 32):
+def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, recipe, capability,
+             capturing: bool, seen: bool) -> bool:
+    """The rule of :func:`applies`, without a device (so that it can be tested anywhere):
+    enabled, an MXFP8 recipe (E4M3 / E5M2 elements, blocks of 32, rceil / floor) whose
+    build has not failed, bfloat16 contiguous x (T, K) and w (E, N, K) with w 16-byte aligned
+    (TMA), T, K, N > 0 (K = 0 would leave the kernel waiting for k-tiles), K and N multiples
+    of 8, T <= ``MAX_TOKENS_PER_EXPERT`` * E, an sm90 device (``capability`` (9, 0): the
+    binary is sm_90a), and not under CUDA-graph capture unless this shape ran once on this
+    device (``seen``: its first call allocates)."""
+    if not (enabled() and recipe.quantize and recipe.block_size == 32 and dtypes_bf16 and contiguous):
         return False
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
     if fmt not in FORMATS or mode not in SCALE_MODES or (fmt, mode) in _FAILED:
         return False
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not (x.is_contiguous() and w.is_contiguous()):
+    (T, K), (E, N, _) = x_shape, w_shape
+    if min(T, K, N, E) <= 0 or K % _ALIGN or N % _ALIGN or w_ptr % 16 or T > MAX_TOKENS_PER_EXPERT * E:
+        return False
+    return tuple(capability) == (9, 0) and (seen or not capturing)
+
+
+def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe) -> bool:
+    """Whether the forward of ``mx_grouped_mm(x, w, offsets, recipe)`` can run design (g)
+    (the rule: :func:`eligible`). Cheap: no build, no host synchronization."""
+    if not (x.is_cuda and recipe.quantize):
         return False
     E, N, K = w.shape
-    T = x.shape[0]
-    if T == 0 or E == 0 or K % _ALIGN or N % _ALIGN or T > MAX_TOKENS_PER_EXPERT * E:
-        return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    if torch.cuda.is_current_stream_capturing() and (fmt, mode, E, N, K) not in _SHAPES:
-        return False  # its first call allocates; a graph cannot hold that
-    return True
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    seen = (dev, recipe.fmt.value, recipe.scale_mode.value, E, N, K) in _SHAPES
+    return eligible(tuple(x.shape), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
+                    x.is_contiguous() and w.is_contiguous(), w.data_ptr(), recipe,
+                    torch.cuda.get_device_capability(x.device), torch.cuda.is_current_stream_capturing(), seen)
 
 
 def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
@@ -227,8 +267,8 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
         ``grouped_mm_nt(xq, fake_quantize(w, recipe, dim=2), offsets)``; None if the library
         is not available (design (a) should run).
 
-    Raises:
-        RuntimeError: the kernel refused the problem or failed to launch (its code).
+    A failure of the library at run time (its allocation, the launch) turns design (g) off
+    for the (format, mode) with one warning and returns None.
     """
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
     lib = library(fmt, mode)
@@ -239,12 +279,23 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
 
     T, K = xq.shape
     E, N, _ = w.shape
-    out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
-    problems, pa, pb, pd = group_tables(offsets, w, xq, out)
-    rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
-                                          pd.data_ptr(), torch.cuda.current_stream(xq.device).cuda_stream)
+    with torch.cuda.device(xq.device):  # the C entry and the table kernel use the current device
+        dev = torch.cuda.current_device()
+        wkey = (dev, fmt, mode, E)
+        if wkey not in _WORKSPACE:
+            _WORKSPACE[wkey] = int(getattr(lib, symbol(fmt, mode, "workspace_bytes"))(E))
+        # per call from this stream's allocator: launches on other streams never share it
+        workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=xq.device)
+        out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
+        problems, pa, pb, pd = group_tables(offsets, w, xq, out)
+        rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
+                                              pd.data_ptr(), workspace.data_ptr(), _WORKSPACE[wkey],
+                                              torch.cuda.current_stream().cuda_stream)
     if rc:
-        raise RuntimeError(f"design (g) grouped GEMM failed with code {rc} (1 allocation, 2 problem refused, "
-                           f"3 initialize, 4 launch) for E={E} N={N} K={K}")
-    _SHAPES.add((fmt, mode, E, N, K))
+        what = {1: "allocation or copy failed", 2: "problem refused", 3: "initialize failed", 4: "launch failed",
+                5: "workspace too small"}.get(rc, "unknown")
+        cuda = getattr(lib, symbol(fmt, mode, "last_error"))().decode()
+        _give_up((fmt, mode), f"code {rc}, {what} ({cuda}) for E={E} N={N} K={K}")
+        return None
+    _SHAPES.add((dev, fmt, mode, E, N, K))
     return zero_rows_past_end(out, offsets)

@@ -16,13 +16,16 @@ BLOCK = 256
 
 
 @triton.jit
-def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, E, N, K, w_base, x_base, out_base, elem_bytes,
-                         BLOCK: tl.constexpr):
+def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, E, N, K, T, w_base, x_base, out_base,
+                         elem_bytes, BLOCK: tl.constexpr):
     for start in range(0, E, BLOCK):
         e = start + tl.arange(0, BLOCK)
         m = e < E
-        end = tl.load(ends_ptr + e, mask=m, other=0).to(tl.int64)
-        beg = tl.load(ends_ptr + e - 1, mask=m & (e > 0), other=0).to(tl.int64)
+        # clamped to 0 <= beg <= end <= T: offsets outside the contract (decreasing, past T)
+        # give empty or shortened groups, never rows outside x and out
+        end = tl.minimum(tl.maximum(tl.load(ends_ptr + e, mask=m, other=0).to(tl.int64), 0), T)
+        beg = tl.minimum(tl.maximum(tl.load(ends_ptr + e - 1, mask=m & (e > 0), other=0).to(tl.int64), 0), T)
+        end = tl.maximum(end, beg)
         tl.store(prob_ptr + 3 * e, N + tl.zeros((BLOCK,), tl.int32), mask=m)
         tl.store(prob_ptr + 3 * e + 1, (end - beg).to(tl.int32), mask=m)
         tl.store(prob_ptr + 3 * e + 2, K + tl.zeros((BLOCK,), tl.int32), mask=m)
@@ -40,8 +43,9 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor)
         pa, pb, pd: int64 (E,) device addresses of w[e], x[first row of e], out[first row of e].
 
     Args:
-        offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing: not checked;
-            decreasing offsets give negative token counts); w_ENK (E, N, K), x_TK (T, K),
+        offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing, at most T; other
+            values are clamped into [previous end, T], so no group reaches outside x and
+            out); w_ENK (E, N, K), x_TK (T, K),
             out_TN (T, N): contiguous, one element size, on offsets' device.
     """
     E, N, K = w_ENK.shape
@@ -49,6 +53,6 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor)
     problems = torch.empty(E, 3, dtype=torch.int32, device=dev)
     pa, pb, pd = (torch.empty(E, dtype=torch.int64, device=dev) for _ in range(3))
     if E:
-        _group_tables_kernel[(1,)](offsets_E.contiguous(), problems, pa, pb, pd, E, N, K, w_ENK.data_ptr(),
+        _group_tables_kernel[(1,)](offsets_E.contiguous(), problems, pa, pb, pd, E, N, K, x_TK.shape[0], w_ENK.data_ptr(),
                                    x_TK.data_ptr(), out_TN.data_ptr(), x_TK.element_size(), BLOCK=BLOCK)
     return problems, pa, pb, pd

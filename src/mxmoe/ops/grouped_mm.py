@@ -9,7 +9,8 @@ x (T, K) holds tokens sorted by expert; expert e owns rows offsets[e-1]:offsets[
                                      separately and zero padded to a multiple of 32
 
 Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Nothing here
-synchronizes with the host on CUDA. Rows past offsets[-1] are never read: their outputs
+synchronizes with the host on CUDA, except the first design (g) forward of a shape on a
+device (its stride arrays: kernels/cutlass_wq.py) and its build at first use. Rows past offsets[-1] are never read: their outputs
 and input gradients are exact zeros. Experts with no tokens get exact zero gradients.
 """
 
