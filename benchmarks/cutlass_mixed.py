@@ -1,7 +1,7 @@
 """CUTLASS's sm90 mixed-input grouped GEMM and design (g), the MXFP8 weight quantization
 inside it: does a register-operand (RS) mainloop that converts (or quantizes) the weight
-tile in registers run at the bf16 GEMM's speed? (issue 4, benchmarks/NOTES.md session 13;
-experimental, not used by the library)
+tile in registers run at the bf16 GEMM's speed? (issue 4, benchmarks/NOTES.md sessions 13
+and 14; every measured variant; the library runs one of them, q9x: mxmoe.kernels.cutlass_wq)
 
 The grouped GEMMs are CUTLASS 4.2 ptr-array kernels (``src/mxmoe/kernels/cutlass_wq.cu``,
 built by ``cutlass_mixed/build.sh`` into one shared library), per expert g:
@@ -36,7 +36,7 @@ e4m3 variants' outputs are checked against design (a)'s GEMM on the same values 
 the dequantized operands; m1: the codes as bf16; m2: codes times the chunk scales).
 Timing by CUDA-graph replay where the launch can be captured, else eagerly. The per-call
 figure of design (g) includes four small torch launches that build the token and output
-pointer arrays (a library version would build them in one), so it slightly understates
+pointer arrays (the library builds them in one: mxmoe.kernels.group_tables), so it slightly understates
 the kernel. The one-hot check multiplies by the identity: a NaN anywhere in a weight row
 makes that row's whole output NaN (0 * NaN), so for the rows with a non-finite block it
 shows only that the row holds one. Exits 1 if any check fails.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session (issue 4, 2026-12-01, session 13): CUTLASS's sm90 mixed-input grouped
+# H200 sessions (issue 4, 2026-12-01, sessions 13 and 14): CUTLASS's sm90 mixed-input grouped
 # GEMM (e4m3 weight converted in registers) and design (g) (the raw bf16 weight quantized to
 # MXFP8 in registers) against torch._grouped_mm (benchmarks/cutlass_mixed.py). Part "bench":
 # the table and the exactness checks; part "profile": ncu's warp-state and scheduler

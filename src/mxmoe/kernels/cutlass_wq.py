@@ -149,8 +149,9 @@ def _build(fmt: str, mode: str) -> Path:
     if nvcc is None:
         raise RuntimeError("nvcc not found (MXMOE_NVCC, the PATH or $CUDA_HOME/bin; CUDA >= 12.8)")
     if cutlass is None or not (cutlass / "include" / "cutlass" / "cutlass.h").exists():
+        where = f"looked in {cutlass}" if cutlass is not None else "no MXMOE_CUTLASS_DIR, no cutlass_library package"
         raise RuntimeError(f"CUTLASS 4.2 headers not found (MXMOE_CUTLASS_DIR or `pip install nvidia-cutlass==4.2.0`; "
-                           f"looked in {cutlass})")
+                           f"{where})")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -186,7 +187,8 @@ def _give_up(key: tuple[str, str], why: str) -> None:
     _FAILED[key] = why
     warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
                   f"{key[0]} / {key[1]} ({why}); the forward quantizes the weight in a pass instead (design (a), "
-                  f"the same values)", RuntimeWarning, stacklevel=4)
+                  f"the same values; MXMOE_GROUPED_WQ=0 turns design (g) off without this warning)", RuntimeWarning,
+                  stacklevel=4)
 
 
 def library(fmt: str, mode: str) -> ctypes.CDLL | None:
@@ -202,7 +204,10 @@ def library(fmt: str, mode: str) -> ctypes.CDLL | None:
     try:
         env = os.environ.get("MXMOE_CUTLASS_WQ_LIB")
         if env:
-            lib = _load(env, fmt, mode)
+            try:
+                lib = _load(env, fmt, mode)
+            except OSError as err:
+                raise OSError(f"MXMOE_CUTLASS_WQ_LIB={env}: {err}") from err
         else:
             path = _build(fmt, mode)
             try:
