@@ -65,8 +65,9 @@ def test_group_tables_from_offsets():
 
 
 def test_group_tables_clamp_offsets_outside_the_contract():
-    """Decreasing offsets or offsets past T give empty or shortened groups inside x and out
-    (design (a) is undefined there too; this keeps the kernel from writing past out)."""
+    """Decreasing offsets or offsets past T give empty, shortened or overlapping groups, all
+    inside x and out (design (a) is undefined there too; this keeps the kernel from writing
+    past out)."""
     from mxmoe.kernels.group_tables import group_tables
 
     offs = torch.tensor([50, 30, 120, 90, 400], dtype=torch.int32)  # T = 100
@@ -180,6 +181,7 @@ def test_a_missing_library_warns_once_and_the_forward_runs_design_a(monkeypatch,
 
 def test_missing_toolkit_or_headers_are_named(monkeypatch, tmp_path):
     """_build says what is missing (nvcc, or the CUTLASS headers and how to get them)."""
+    monkeypatch.setenv("MXMOE_CACHE_DIR", str(tmp_path / "cache"))  # an empty cache: a filled one needs neither
     monkeypatch.setenv("MXMOE_NVCC", str(tmp_path / "nvcc"))
     monkeypatch.setenv("MXMOE_CUTLASS_DIR", str(tmp_path / "cutlass"))
     with pytest.raises(RuntimeError, match="CUTLASS 4.2 headers not found.*nvidia-cutlass"):
@@ -223,3 +225,33 @@ def test_cached_path_depends_on_the_build_not_on_the_machine(monkeypatch, tmp_pa
     assert len(names) == 4
     a.write_bytes(b"")  # a cached file is used as it is: no nvcc or headers needed
     assert cutlass_wq._build("e4m3", "rceil") == a
+
+
+def test_ctypes_signatures_match_the_c_entries(monkeypatch):
+    """_load's argtypes have as many entries as the C functions have parameters, of the
+    right widths (a mismatch would pass garbage to the kernel on the GPU only)."""
+    import ctypes
+    import re
+
+    src = cutlass_wq.SOURCE.read_text()
+
+    class Fake:
+        def __init__(self, path):
+            pass
+
+        def __getattr__(self, name):
+            fn = type("Fn", (), {})()
+            setattr(self, name, fn)
+            return fn
+
+    monkeypatch.setattr(ctypes, "CDLL", Fake)
+    lib = cutlass_wq._load("x.so", "e4m3", "rceil")
+    width = {"int": ctypes.c_int, "void*": ctypes.c_void_p, "long long": ctypes.c_longlong}
+    for what in ("forward", "workspace_bytes", "last_error"):
+        m = re.search(r"CAT\(NAME, _" + what + r"\)\(([^)]*)\)", src)
+        assert m, what
+        params = [p.strip().rsplit(" ", 1)[0].replace(" *", "*") for p in m.group(1).split(",") if p.strip()]
+        fn = getattr(lib, cutlass_wq.symbol("e4m3", "rceil", what))
+        assert [width[p] for p in params] == list(fn.argtypes), what
+    assert lib.g_e4m3_rceil_forward.restype is ctypes.c_int
+    assert lib.g_e4m3_rceil_workspace_bytes.restype is ctypes.c_longlong

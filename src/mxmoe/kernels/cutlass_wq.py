@@ -159,7 +159,8 @@ def _build(fmt: str, mode: str) -> Path:
           file=sys.stderr, flush=True)
     try:
         extra = os.environ.get("MXMOE_NVCC_FLAGS", "").split()  # e.g. -L<dir of libcudart_static.a>
-        res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass) + extra, capture_output=True, text=True)
+        res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass) + extra, capture_output=True, text=True,
+                             errors="replace")
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
@@ -182,13 +183,26 @@ def _load(path: str, fmt: str, mode: str) -> ctypes.CDLL:
     return lib
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside mxmoe and torch, for a warning issued
+    by the function that calls this one (the calls arrive through autograd or not)."""
+    import inspect
+
+    inner = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+    frames = inspect.stack()[1:]
+    for i, f in enumerate(frames):
+        if not str(Path(f.filename).resolve()).startswith(inner):
+            return i + 1
+    return len(frames)
+
+
 def _give_up(key: tuple[str, str], why: str) -> None:
     """Design (g) off for this (format, mode) in this process, with one warning."""
     _FAILED[key] = why
     warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
                   f"{key[0]} / {key[1]} ({why}); the forward quantizes the weight in a pass instead (design (a), "
                   f"the same values; MXMOE_GROUPED_WQ=0 turns design (g) off without this warning)", RuntimeWarning,
-                  stacklevel=4)
+                  stacklevel=_user_stacklevel())
 
 
 def library(fmt: str, mode: str) -> ctypes.CDLL | None:
@@ -197,10 +211,10 @@ def library(fmt: str, mode: str) -> ctypes.CDLL | None:
     built once more). None if that fails (warned once per format and mode; design (a) runs
     instead)."""
     key = (fmt, mode)
+    if key in _FAILED:  # first: a library that failed at run time stays off
+        return None
     if key in _LIBS:
         return _LIBS[key]
-    if key in _FAILED:
-        return None
     try:
         env = os.environ.get("MXMOE_CUTLASS_WQ_LIB")
         if env:
@@ -293,14 +307,19 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
         workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=xq.device)
         out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
         problems, pa, pb, pd = group_tables(offsets, w, xq, out)
-        rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
-                                              pd.data_ptr(), workspace.data_ptr(), _WORKSPACE[wkey],
-                                              torch.cuda.current_stream().cuda_stream)
+        for attempt in range(2):
+            rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
+                                                  pd.data_ptr(), workspace.data_ptr(), _WORKSPACE[wkey],
+                                                  torch.cuda.current_stream().cuda_stream)
+            if rc != 1 or attempt or torch.cuda.is_current_stream_capturing():
+                break
+            torch.cuda.empty_cache()  # a shape's stride arrays come from cudaMalloc: free torch's cache, once
     if rc:
         what = {1: "allocation or copy failed", 2: "problem refused", 3: "initialize failed", 4: "launch failed",
                 5: "workspace too small"}.get(rc, "unknown")
-        cuda = getattr(lib, symbol(fmt, mode, "last_error"))().decode()
-        _give_up((fmt, mode), f"code {rc}, {what} ({cuda}) for E={E} N={N} K={K}")
+        if rc in (1, 4):  # the CUDA error behind it (the C entry records those two)
+            what += f": {getattr(lib, symbol(fmt, mode, 'last_error'))().decode()}"
+        _give_up((fmt, mode), f"code {rc}, {what}, for E={E} N={N} K={K}")
         return None
     _SHAPES.add((dev, fmt, mode, E, N, K))
     return zero_rows_past_end(out, offsets)

@@ -22,7 +22,7 @@ def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, E, N, K, T,
         e = start + tl.arange(0, BLOCK)
         m = e < E
         # clamped to 0 <= beg <= end <= T: offsets outside the contract (decreasing, past T)
-        # give empty or shortened groups, never rows outside x and out
+        # give groups that may be empty, shortened or overlapping, never rows outside x and out
         end = tl.minimum(tl.maximum(tl.load(ends_ptr + e, mask=m, other=0).to(tl.int64), 0), T)
         beg = tl.minimum(tl.maximum(tl.load(ends_ptr + e - 1, mask=m & (e > 0), other=0).to(tl.int64), 0), T)
         end = tl.maximum(end, beg)
@@ -43,9 +43,11 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor)
         pa, pb, pd: int64 (E,) device addresses of w[e], x[first row of e], out[first row of e].
 
     Args:
-        offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing, at most T; other
-            values are clamped into [previous end, T], so no group reaches outside x and
-            out); w_ENK (E, N, K), x_TK (T, K),
+        offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing, at most T). Other
+            values are clamped: each group is [offsets[e-1], offsets[e]] clamped to [0, T]
+            (empty where it would be negative); groups may then overlap (the results there
+            are undefined, as for design (a)), but none reaches outside x and out.
+            w_ENK (E, N, K), x_TK (T, K),
             out_TN (T, N): contiguous, one element size, on offsets' device.
     """
     E, N, K = w_ENK.shape
