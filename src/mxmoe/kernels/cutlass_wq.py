@@ -101,10 +101,15 @@ def nvcc_path() -> str | None:
     return str(cand) if cand is not None and cand.exists() else None
 
 
+def _name(fmt: str, mode: str) -> str:
+    """The build's NAME for (fmt, mode), the prefix of its C entries."""
+    return f"g_{fmt}_{mode}"
+
+
 def symbol(fmt: str, mode: str, what: str = "forward") -> str:
     """A C entry of the build for (fmt, mode): ``g_<fmt>_<mode>_<what>`` (forward,
     workspace_bytes, last_error)."""
-    return f"g_{fmt}_{mode}_{what}"
+    return f"{_name(fmt, mode)}_{what}"
 
 
 def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
@@ -119,8 +124,7 @@ def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc
     if fmt not in FORMATS or mode not in SCALE_MODES:
         raise ValueError(f"design (g) builds for formats {sorted(FORMATS)} and scale modes {sorted(SCALE_MODES)}, "
                          f"got {fmt!r} / {mode!r}")
-    name = symbol(fmt, mode)[: -len("_forward")]
-    macros = {**BUILD, "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": name}
+    macros = {**BUILD, "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": _name(fmt, mode)}
     return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
             f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
             *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out), str(SOURCE)]

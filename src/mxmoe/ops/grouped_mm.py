@@ -40,17 +40,16 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         ctx.wq_dgrad = None
         if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
             return native_grouped_mm_nt(x_TK, w_ENK, offsets_E, recipe, out_dtype=dtype)
+        xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
         # sm90, few tokens per expert, no cached weight copy: design (g) quantizes the raw
         # weight inside the GEMM (kernels/cutlass_wq.py), same values as the pass below
         if active_cache(w_ENK) is None and cutlass_wq.applies(x_TK, w_ENK, offsets_E, recipe):
-            out = cutlass_wq.grouped_mm_nt_wq(fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype), w_ENK,
-                                              offsets_E, recipe)
+            out = cutlass_wq.grouped_mm_nt_wq(xq_TK, w_ENK, offsets_E, recipe)
             if out is not None:
                 return out
         # w along K; inside weight_copy_cache() also the dgrad copy (along N), from one read
         gemm_dtype = dtype if recipe.quantize else torch.bfloat16
         wq_ENK, ctx.wq_dgrad = weight_operands(w_ENK, recipe, gemm_dtype, dgrad=ctx.needs_input_grad[0])
-        xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
         return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
 
     @staticmethod
