@@ -10,8 +10,10 @@ For each shape (T tokens, K, N, E experts) and routing, in one process:
   dgrad and wgrad steps), and split into the quantization passes and the GEMM. Since
   session 14 the library's forward takes design (g) (the weight quantized inside CUTLASS's
   grouped GEMM, ``mxmoe.kernels.cutlass_wq``) on sm90 where it applies (at most 640 tokens
-  per expert: the (16384, 2048, 1408, 64) case) and can be built; the JSON says which ran
-  ("mx fwd design").
+  per expert: the (16384, 2048, 1408, 64) case) and can be built, and since session 15 its
+  dgrad too (``mx_grouped_mm_dgrad``, what the backward runs); the JSON says which ran ("mx
+  fwd design", "mx dgrad design"), and "mx fwd, design (a)" / "mx dgrad, design (a)" time
+  design (a)'s composition of the same op in the same run.
   "w cached": the weight's copies from ``mxmoe.weight_copy_cache()`` (made once per
   optimizer step: they do not change between micro-batches), so a GEMM pays only for the
   activation pass; timed as the ops that path runs (the x or dy pass and the GEMM on the
@@ -49,7 +51,7 @@ import torch
 
 from mxmoe.kernels import cutlass_wq
 from mxmoe.ops.gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from mxmoe.ops.grouped_mm import mx_grouped_mm
+from mxmoe.ops.grouped_mm import mx_grouped_mm, mx_grouped_mm_dgrad
 from mxmoe.ops.quantize import (fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair,
                                 fake_quantize_rowcol)
 from mxmoe.ops.weight_cache import weight_copy_cache
@@ -186,6 +188,9 @@ def main() -> int:
         t["mx fwd"] = bench(lambda: mx_grouped_mm(x, w, offs, recipe), smoke)
         fwd_design = "(g)" if not smoke and cutlass_wq.applies(x, w, offs, recipe) and \
             cutlass_wq.library(recipe.fmt.value, recipe.scale_mode.value) is not None else "(a)"
+        t["mx fwd, design (a)"] = bench(lambda: grouped_mm_nt(fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16),
+                                                              fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16),
+                                                              offs), smoke)
         xq = fake_quantize(x, recipe, dim=1, out_dtype=torch.bfloat16)
         wq_k = fake_quantize(w, recipe, dim=2, out_dtype=torch.bfloat16)
         wq_n = fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16)
@@ -199,7 +204,10 @@ def main() -> int:
             b = fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16)
             return grouped_mm_nn(a, b, offs)
 
-        t["mx dgrad"] = bench(dgrad, smoke)
+        t["mx dgrad"] = bench(lambda: mx_grouped_mm_dgrad(dy, w, offs, recipe), smoke)
+        dgrad_design = "(g)" if not smoke and cutlass_wq.applies(dy, w, offs, recipe, "dgrad") and \
+            cutlass_wq.library(recipe.fmt.value, recipe.scale_mode.value, "dgrad") is not None else "(a)"
+        t["mx dgrad, design (a)"] = bench(dgrad, smoke)
         t["mx dgrad: quantize w"] = bench(lambda: fake_quantize(w, recipe, dim=1, out_dtype=torch.bfloat16), smoke)
         t["mx dgrad: gemm"] = bench(lambda: grouped_mm_nn(dyq, wq_n, offs), smoke)
 
@@ -247,7 +255,8 @@ def main() -> int:
         row = {"T": T, "K": K, "N": N, "E": E, "skewed": skewed, "sizes_min_max": [min(sizes), max(sizes)],
                "us": {k: v * 1e6 for k, v in t.items()}, "exact_fwd_vs_bf16_of_dequantized": exact,
                "exact_wgrad_pair_vs_two_launches": pair_exact, "exact_cached_vs_per_call": cached_exact,
-               "mx fwd design": fwd_design}
+               "mx fwd design": fwd_design, "mx dgrad design": dgrad_design,
+               "exact_dgrad_vs_design_a": torch.equal(mx_grouped_mm_dgrad(dy, w, offs, recipe), dgrad())}
         for op in ("fwd", "dgrad", "wgrad"):
             row[f"ratio {op}"] = t[f"bf16 {op}"] / t[f"mx {op}"]
         for op in ("fwd", "dgrad"):
@@ -262,7 +271,7 @@ def main() -> int:
         rows.append(row)
         name = f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}"
         print(f"\n{name}  (sizes {min(sizes)}..{max(sizes)}; design a exact: {exact}; wgrad pair exact: "
-              f"{pair_exact}; cached exact: {cached_exact}; mx fwd: design {fwd_design})")
+              f"{pair_exact}; cached exact: {cached_exact}; mx fwd: design {fwd_design}; mx dgrad: design {dgrad_design}, equal to (a): {row['exact_dgrad_vs_design_a']})")
         print(f"  {'what':40s} {'us':>9s} {'TFLOP/s':>8s} {'x bf16':>7s}")
         for k, v in t.items():
             op = k.split()[1].rstrip(":,") if k.startswith(("mx", "bf16")) else None

@@ -18,22 +18,28 @@ from mxmoe.ops.grouped_mm import mx_grouped_mm
 from mxmoe.recipe import get_recipe
 
 
-def test_build_command_builds_the_measured_variant_for_each_format_and_mode():
+def test_build_command_builds_the_measured_variant_for_each_format_mode_and_op():
     """The library's build is benchmarks/cutlass_mixed.py's q9x family (128 x 320 tiles, QDQ
-    5, the k-tile loop), for sm_90a, with the format and mode as the source reads them."""
+    5, the k-tile loop), for sm_90a, with the format and mode as the source reads them; the
+    dgrad's the same with WT = 1 (the transposed weight operand) and entries of its own name."""
     for fmt, f in (("e4m3", 0), ("e5m2", 1)):
         for mode, m in (("rceil", 0), ("floor", 1)):
-            cmd = cutlass_wq.build_command(fmt, mode, "/tmp/x.so", "nvcc", "/c")
-            d = dict(a[2:].split("=", 1) for a in cmd if a.startswith("-D") and "=" in a)
-            assert d["FMT"] == str(f) and d["MODE"] == str(m)
-            assert (d["VARIANT"], d["TN"], d["QDQ"], d["LOOP"], d["STAGES"]) == ("3", "320", "5", "4", "3")
-            assert d["NAME"] + "_forward" == cutlass_wq.symbol(fmt, mode)
-            assert "-arch=sm_90a" in cmd and "-shared" in cmd and cmd[-1] == str(cutlass_wq.SOURCE)
-            assert "-I/c/include" in cmd and "-I/c/tools/util/include" in cmd
+            for op in ("forward", "dgrad"):
+                cmd = cutlass_wq.build_command(fmt, mode, "/tmp/x.so", "nvcc", "/c", op=op)
+                d = dict(a[2:].split("=", 1) for a in cmd if a.startswith("-D") and "=" in a)
+                assert d["FMT"] == str(f) and d["MODE"] == str(m)
+                assert (d["VARIANT"], d["TN"], d["QDQ"], d["LOOP"], d["STAGES"]) == ("3", "320", "5", "4", "3")
+                assert d.get("WT", "0") == ("1" if op == "dgrad" else "0")
+                assert d["NAME"] + "_forward" == cutlass_wq.symbol(fmt, mode, op=op)
+                assert "-arch=sm_90a" in cmd and "-shared" in cmd and cmd[-1] == str(cutlass_wq.SOURCE)
+                assert "-I/c/include" in cmd and "-I/c/tools/util/include" in cmd
+            assert cutlass_wq.symbol(fmt, mode, op="dgrad") != cutlass_wq.symbol(fmt, mode)
     with pytest.raises(ValueError, match="e2m1"):
         cutlass_wq.build_command("e2m1", "rceil", "/tmp/x.so")
     with pytest.raises(ValueError, match="nearest"):
         cutlass_wq.build_command("e4m3", "nearest", "/tmp/x.so")
+    with pytest.raises(ValueError, match="wgrad"):
+        cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", op="wgrad")
 
 
 def test_the_source_defines_the_entry_and_ships_with_the_package():
@@ -64,6 +70,24 @@ def test_group_tables_from_offsets():
         assert pb.tolist()[-1] == x[starts[-1]].data_ptr()
 
 
+def test_group_tables_of_the_dgrad():
+    """With w^T (a transposed view, as cutlass_wq passes it) the tables describe the dgrad:
+    per expert (K, its tokens, N), w[e]'s address, and dy / dx rows of N / K elements."""
+    from mxmoe.kernels.group_tables import group_tables
+
+    sizes = [7, 0, 20, 3]
+    E, N, K = len(sizes), 24, 40
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    w = torch.zeros(E, N, K, dtype=torch.bfloat16)
+    dy, dx = torch.zeros(30, N, dtype=torch.bfloat16), torch.empty(30, K, dtype=torch.bfloat16)
+    problems, pa, pb, pd = group_tables(offs, w.transpose(1, 2), dy, dx)
+    starts = [0] + offs[:-1].tolist()
+    assert problems.tolist() == [[K, s, N] for s in sizes]
+    assert pa.tolist() == [w[e].data_ptr() for e in range(E)]
+    assert pb.tolist() == [dy[s].data_ptr() for s in starts]
+    assert pd.tolist() == [dx[s].data_ptr() for s in starts]
+
+
 def test_group_tables_clamp_offsets_outside_the_contract():
     """Decreasing offsets or offsets past T give empty, shortened or overlapping groups, all
     inside x and out (design (a) is undefined there too; this keeps the kernel from writing
@@ -85,6 +109,7 @@ def test_applies_only_to_cuda_bf16_mxfp8():
     offs = torch.tensor([30, 64], dtype=torch.int32)
     for name in ("mxfp8", "bf16"):
         assert not cutlass_wq.applies(x, w, offs, get_recipe(name))
+        assert not cutlass_wq.applies(x[:, :16], w, offs, get_recipe(name), "dgrad")
 
 
 def test_eligibility_rule(monkeypatch):
@@ -100,7 +125,9 @@ def test_eligibility_rule(monkeypatch):
     assert cutlass_wq.eligible(**{**base, "recipe": get_recipe("mxfp8-floor")})
     assert cutlass_wq.eligible(**{**base, "x_shape": (640 * 64, 2048)})  # the token bound, inclusive
     assert cutlass_wq.eligible(**{**base, "capturing": True, "seen": True})
+    assert cutlass_wq.eligible(**{**base, "op": "dgrad"})
     no = {
+        "an op without a build": {"op": "wgrad"},
         "bf16 recipe": {"recipe": get_recipe("bf16")},
         "MXFP6": {"recipe": get_recipe("mxfp8", fmt=ElemFormat.E3M2)},
         "block 16": {"recipe": get_recipe("mxfp8", block_size=16)},
@@ -123,7 +150,10 @@ def test_eligibility_rule(monkeypatch):
     monkeypatch.setenv("MXMOE_GROUPED_WQ", "0")
     assert not cutlass_wq.eligible(**base)
     monkeypatch.setenv("MXMOE_GROUPED_WQ", "1")
-    monkeypatch.setitem(cutlass_wq._FAILED, ("e4m3", "rceil"), "failed before")
+    monkeypatch.setitem(cutlass_wq._FAILED, ("e4m3", "rceil", "dgrad"), "failed before")
+    assert not cutlass_wq.eligible(**base, op="dgrad")
+    assert cutlass_wq.eligible(**base)  # the forward's build is another library
+    monkeypatch.setitem(cutlass_wq._FAILED, ("e4m3", "rceil", "forward"), "failed before")
     assert not cutlass_wq.eligible(**base)
 
 
@@ -150,7 +180,7 @@ def test_mx_grouped_mm_dispatch(monkeypatch):
             return result
         return run
 
-    monkeypatch.setattr(gm.cutlass_wq, "applies", lambda *a: True)
+    monkeypatch.setattr(gm.cutlass_wq, "applies", lambda *a: a[4:] != ("dgrad",))  # forward only
     monkeypatch.setattr(gm.cutlass_wq, "grouped_mm_nt_wq", fake(marker))
     xx = x.clone().requires_grad_(True)
     out = mx_grouped_mm(xx, w, offs, r)
@@ -165,18 +195,82 @@ def test_mx_grouped_mm_dispatch(monkeypatch):
     assert len(calls) == 2
 
 
+def test_dgrad_dispatch(monkeypatch):
+    """The backward's dgrad (and mx_grouped_mm_dgrad) takes design (g)'s dgrad when it
+    applies: it gets the dy pass (along N) and the raw weight, and its output is dx as it
+    is; None (a failed library) gives design (a)'s values; inside weight_copy_cache() it is
+    never taken (the cached copy along N is used)."""
+    import mxmoe
+    from mxmoe.ops import grouped_mm as gm
+    from mxmoe.ops.quantize import fake_quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 64, dtype=torch.bfloat16)
+    dy = torch.randn(40, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    r = get_recipe("mxfp8")
+    want = gm.mx_grouped_mm_dgrad(dy, w, offs, r)
+    xx = x.clone().requires_grad_(True)
+    mx_grouped_mm(xx, w, offs, r).backward(dy)
+    assert torch.equal(xx.grad, want)  # the op alone is what the backward runs
+    calls = []
+    marker = torch.full((40, 64), 5.0, dtype=torch.bfloat16)
+
+    def fake(result):
+        def run(dyq, w_, offs_, recipe):
+            calls.append((dyq, w_))
+            return result
+        return run
+
+    monkeypatch.setattr(gm.cutlass_wq, "applies", lambda *a: a[4:] == ("dgrad",))  # dgrad only
+    monkeypatch.setattr(gm.cutlass_wq, "grouped_mm_nn_wq", fake(marker))
+    xx = x.clone().requires_grad_(True)
+    mx_grouped_mm(xx, w, offs, r).backward(dy)
+    assert torch.equal(xx.grad, marker) and len(calls) == 1
+    assert torch.equal(calls[0][0], fake_quantize(dy, r, dim=1, out_dtype=torch.bfloat16)) and calls[0][1] is w
+    assert torch.equal(gm.mx_grouped_mm_dgrad(dy, w, offs, r), marker) and len(calls) == 2
+    monkeypatch.setattr(gm.cutlass_wq, "grouped_mm_nn_wq", fake(None))
+    assert torch.equal(gm.mx_grouped_mm_dgrad(dy, w, offs, r), want) and len(calls) == 3  # None: design (a)
+    with mxmoe.weight_copy_cache():
+        xx = x.clone().requires_grad_(True)
+        mx_grouped_mm(xx, w, offs, r).backward(dy)
+        assert torch.equal(xx.grad, want)
+    assert len(calls) == 3
+
+
+def test_mx_grouped_mm_dgrad_checks_its_arguments():
+    from mxmoe.ops.grouped_mm import mx_grouped_mm_dgrad
+
+    dy, w = torch.randn(8, 16), torch.randn(2, 16, 32)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    assert mx_grouped_mm_dgrad(dy, w, offs).shape == (8, 32)
+    with pytest.raises(ValueError, match="same N"):
+        mx_grouped_mm_dgrad(torch.randn(8, 32), w, offs)
+    with pytest.raises(TypeError, match="int32"):
+        mx_grouped_mm_dgrad(dy, w, offs.float())
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        mx_grouped_mm_dgrad(dy.to(torch.int32), w, offs)
+    with pytest.raises(ValueError, match="shape \\(E,\\)"):
+        mx_grouped_mm_dgrad(dy, w, offs[:1])
+
+
 def test_a_missing_library_warns_once_and_the_forward_runs_design_a(monkeypatch, tmp_path):
     """A library that cannot be loaded: one warning naming the cause, then None (the caller
     runs design (a)); the (format, mode) is remembered, so applies() says no after that."""
     monkeypatch.setenv("MXMOE_CUTLASS_WQ_LIB", str(tmp_path / "missing.so"))
     monkeypatch.setattr(cutlass_wq, "_FAILED", {})
     monkeypatch.setattr(cutlass_wq, "_LIBS", {})
+    monkeypatch.setenv("MXMOE_CUTLASS_WQ_DGRAD_LIB", str(tmp_path / "missing_dgrad.so"))
     with pytest.warns(RuntimeWarning, match="design \\(g\\).*missing.so"):
         assert cutlass_wq.library("e5m2", "floor") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cutlass_wq.library("e5m2", "floor") is None  # no second warning
-    assert ("e5m2", "floor") in cutlass_wq._FAILED
+    assert ("e5m2", "floor", "forward") in cutlass_wq._FAILED
+    with pytest.warns(RuntimeWarning, match="dgrad.*MXMOE_CUTLASS_WQ_DGRAD_LIB=.*missing_dgrad.so"):
+        assert cutlass_wq.library("e5m2", "floor", "dgrad") is None
+    assert ("e5m2", "floor", "dgrad") in cutlass_wq._FAILED
 
 
 def test_missing_toolkit_or_headers_are_named(monkeypatch, tmp_path):
@@ -221,8 +315,9 @@ def test_cached_path_depends_on_the_build_not_on_the_machine(monkeypatch, tmp_pa
     monkeypatch.setenv("MXMOE_NVCC", "/elsewhere/nvcc")
     monkeypatch.setenv("MXMOE_CUTLASS_DIR", "/elsewhere/cutlass")
     assert cutlass_wq.cached_path("e4m3", "rceil") == a and a.parent == tmp_path
-    names = {cutlass_wq.cached_path(f, m).name for f in ("e4m3", "e5m2") for m in ("rceil", "floor")}
-    assert len(names) == 4
+    names = {cutlass_wq.cached_path(f, m, op).name for f in ("e4m3", "e5m2") for m in ("rceil", "floor")
+             for op in ("forward", "dgrad")}
+    assert len(names) == 8
     a.write_bytes(b"")  # a cached file is used as it is: no nvcc or headers needed
     assert cutlass_wq._build("e4m3", "rceil") == a
 
@@ -245,13 +340,14 @@ def test_ctypes_signatures_match_the_c_entries(monkeypatch):
             return fn
 
     monkeypatch.setattr(ctypes, "CDLL", Fake)
-    lib = cutlass_wq._load("x.so", "e4m3", "rceil")
     width = {"int": ctypes.c_int, "void*": ctypes.c_void_p, "long long": ctypes.c_longlong}
-    for what in ("forward", "workspace_bytes", "last_error"):
-        m = re.search(r"CAT\(NAME, _" + what + r"\)\(([^)]*)\)", src)
-        assert m, what
-        params = [p.strip().rsplit(" ", 1)[0].replace(" *", "*") for p in m.group(1).split(",") if p.strip()]
-        fn = getattr(lib, cutlass_wq.symbol("e4m3", "rceil", what))
-        assert [width[p] for p in params] == list(fn.argtypes), what
-    assert lib.g_e4m3_rceil_forward.restype is ctypes.c_int
-    assert lib.g_e4m3_rceil_workspace_bytes.restype is ctypes.c_longlong
+    for op in ("forward", "dgrad"):
+        lib = cutlass_wq._load("x.so", "e4m3", "rceil", op)
+        for what in ("forward", "workspace_bytes", "last_error"):
+            m = re.search(r"CAT\(NAME, _" + what + r"\)\(([^)]*)\)", src)
+            assert m, what
+            params = [p.strip().rsplit(" ", 1)[0].replace(" *", "*") for p in m.group(1).split(",") if p.strip()]
+            fn = getattr(lib, cutlass_wq.symbol("e4m3", "rceil", what, op))
+            assert [width[p] for p in params] == list(fn.argtypes), what
+    assert lib.g_e4m3_rceil_dgrad_forward.restype is ctypes.c_int
+    assert lib.g_e4m3_rceil_dgrad_workspace_bytes.restype is ctypes.c_longlong

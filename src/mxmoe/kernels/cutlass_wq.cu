@@ -61,7 +61,14 @@ using Bf16 = cutlass::bfloat16_t;
 using E4m3 = cutlass::float_e4m3_t;
 using ElementW = cute::conditional_t<VARIANT == 0, Bf16, cute::conditional_t<VARIANT == 3, cutlass::half_t, E4m3>>;
 using ElementScale = Bf16;
-using LayoutW = cutlass::layout::RowMajor;      // W (Nout x K), K contiguous
+#ifndef LOOP
+#define LOOP 0  // VARIANT 3's consumer loop: 0 CUTLASS's, 2 or 4 ours (below)
+#endif
+#ifndef WT
+#define WT 0  // 1 (VARIANT 3 only): the dgrad, A = the weight transposed (its memory M-major)
+#endif
+// W (Nout x K): K contiguous; WT: the transpose of a row-major (K x Nout) matrix, Nout contiguous
+using LayoutW = cute::conditional_t<WT, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 using LayoutX = cutlass::layout::ColumnMajor;   // X^T (K x S) with K contiguous: X row-major
 using LayoutD = cutlass::layout::ColumnMajor;   // D (Nout x S), Nout contiguous
 constexpr int AlignW = 128 / cutlass::sizeof_bits<ElementW>::value;
@@ -82,6 +89,20 @@ using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, LayoutD*, AlignD, Bf16, LayoutD*, AlignD, EpilogueSchedule>::CollectiveOp;
 
+#if VARIANT == 3 && WT
+}  // namespace
+// The mixed-input collective asserts that the converted operand is K-major in memory: its
+// own consumer loop copies shared memory to registers element-wise in the MMA's layout.
+// Ours (LOOP 4) reads the M-major tile with ldmatrix.trans, which yields the K-major
+// register fragment the wgmma takes; the collective's producer (TMA) and shared-memory
+// layout follow the stride type and support either major. So the WT build declares its
+// stride type acceptable to that assertion (the one use of is_k_major for this type here).
+template <>
+constexpr bool cutlass::gemm::detail::is_k_major<cutlass::detail::TagToStrideA_t<cutlass::layout::ColumnMajor*>>() {
+  return true;
+}
+namespace {
+#endif
 #if VARIANT == 3
 // The collective the builder would make for a 16-bit weight converted in registers (it
 // builds mixed-input kernels only for operands of different widths): the raw bf16 weight
@@ -102,7 +123,16 @@ static_assert(TN <= 256, "the token tile is one TMA box (at most 256 rows) unles
 using MmaAtomQ = decltype(cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>());
 #endif
 using TiledMmaQ = decltype(cute::make_tiled_mma(MmaAtomQ{}, Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
-using SmemAtomAQ = decltype(cd::rs_smem_selector<GMMA::Major::K, cutlass::half_t, Int<TM>, Int<TK>, false>());
+// WT: the weight tile in shared memory as in memory (M contiguous, 128-byte swizzle), read
+// into the K-major register fragment with ldmatrix.trans (SmemCopyAtomAQ; our consumer loop)
+using SmemAtomAQ = decltype(cd::rs_smem_selector<WT ? GMMA::Major::MN : GMMA::Major::K, cutlass::half_t, Int<TM>,
+                                                 Int<TK>, false>());
+#if WT
+static_assert(LOOP == 4, "WT needs our consumer loop (its ldmatrix.trans copy): LOOP 4");
+using SmemCopyAtomAQ = Copy_Atom<cute::SM75_U16x8_LDSM_T, cutlass::half_t>;
+#else
+using SmemCopyAtomAQ = Copy_Atom<cute::AutoVectorizingCopy, cutlass::half_t>;
+#endif
 #if TN == 320
 // The token tile in shared memory as two 160-row halves with a gap between them: a TMA
 // box holds at most 256 rows, and cute makes one box of a contiguous 320-row tile (the driver
@@ -127,7 +157,7 @@ using CollectiveQ = cutlass::gemm::collective::CollectiveMma<
     TileShape, cute::tuple<cutlass::half_t>, cutlass::detail::TagToStrideA_t<LayoutW*>, Bf16,
     cutlass::detail::TagToStrideB_t<LayoutX*>, TiledMmaQ,
     decltype(cd::sm90_cluster_shape_to_tma_atom(shape<1>(ClusterShape{}))), SmemAtomAQ,
-    Copy_Atom<cute::AutoVectorizingCopy, cutlass::half_t>, TransformA,
+    SmemCopyAtomAQ, TransformA,
     decltype(cd::sm90_cluster_shape_to_tma_atom(shape<0>(ClusterShape{}))), SmemAtomBQ, void, cute::identity>;
 using MainloopQ = CollectiveQ<QdqTransform>;
 // complete the plain collective (and with it its MixedInputUtils) before the specialization
@@ -470,9 +500,6 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
 };
 }  // namespace cutlass::gemm::collective::detail
 
-#ifndef LOOP
-#define LOOP 0
-#endif
 namespace {
 #if LOOP == 0
 using Mainloop = MainloopQ;  // CUTLASS's consumer loop: one k-block converted between two wgmmas
@@ -509,7 +536,16 @@ struct Mainloop : MainloopQ {
     Tensor tCrW = make_fragment_like<typename Base::RealSwappedElementA>(tCrA0);  // raw weight
     Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));            // (MMA, MMA_N, MMA_K, PIPE)
     auto copy_A = make_tiled_copy_A(typename Base::SwappedSmemCopyAtomA{}, tiled_mma);
+#if WT
+    // ldmatrix.trans: each thread gives the shared-memory address of rows other threads
+    // receive, so the source is partitioned by the copy (over both warpgroups' rows)
+    auto thr_copy_A = copy_A.get_thread_slice(thread_idx);
+    Tensor tCsA_copy = thr_copy_A.partition_S(sA);                             // (CPY, CPY_M, CPY_K, PIPE)
+#else
+    // element-wise copy: each thread reads its own fragment's values (tCsA)
     auto thr_copy_A = copy_A.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup);
+    auto& tCsA_copy = tCsA;
+#endif
     Tensor tCrW_view = thr_copy_A.retile_D(tCrW);
     auto extra = Utils::partition_extra_mma_info(thr_mma, shared_tensors);
     constexpr int kBlocks = decltype(size<2>(tCrW))::value;
@@ -518,7 +554,7 @@ struct Mainloop : MainloopQ {
     // load and quantize k-blocks [k0, k0 + n) of stage into dst
     auto prepare = [&](auto& dst, int k0, int n, int stage) {
       CUTLASS_PRAGMA_UNROLL
-      for (int k = k0; k < k0 + n; ++k) copy(copy_A, tCsA(_, _, k, stage), tCrW_view(_, _, k));
+      for (int k = k0; k < k0 + n; ++k) copy(copy_A, tCsA_copy(_, _, k, stage), tCrW_view(_, _, k));
       CUTLASS_PRAGMA_UNROLL
       for (int k = k0; k < k0 + n; ++k) Utils::dequantize_A_kblock(tCrW, dst, extra, k);
     };

@@ -1,4 +1,4 @@
-"""Design (g) on sm90: the MXFP8 weight quantization inside CUTLASS's grouped GEMM (forward).
+"""Design (g) on sm90: the MXFP8 weight quantization inside CUTLASS's grouped GEMM (forward, dgrad).
 
 ``mx_grouped_mm``'s forward on the H200 normally quantizes the weight in a pass of its own
 (design (a): quantize-dequantize along K, then a bf16 ``torch._grouped_mm``). When there are
@@ -20,6 +20,11 @@ against 0.59-0.60x for design (a); at 1024 tokens per expert about even with (a)
 (0.77-0.78x), at 2048 slower (0.75 against 0.85). :func:`applies` therefore takes it up to
 ``MAX_TOKENS_PER_EXPERT`` tokens per expert on average.
 
+The dgrad (dx_e = dout_e w_e, w quantized along N) is the same kernel built with ``WT``:
+the weight operand is w_e^T (K x N, its memory K-contiguous), loaded into shared memory as
+it lies and into the registers with ldmatrix.trans, quantized along N the same way
+(:func:`grouped_mm_nn_wq`; session 15).
+
 The kernel is compiled at first use, once per (element format, scale mode), with ``nvcc``
 (CUDA >= 12.8: ``MXMOE_NVCC``, ``nvcc`` on the PATH or ``$CUDA_HOME/bin``) and CUTLASS 4.2's
 headers (``MXMOE_CUTLASS_DIR``, a CUTLASS checkout with ``include/`` and
@@ -28,9 +33,10 @@ headers (``MXMOE_CUTLASS_DIR``, a CUTLASS checkout with ``include/`` and
 source and the build settings (:func:`cached_path`; a filled cache folder can be copied to
 another machine); ``MXMOE_NVCC_FLAGS`` adds flags (not hashed: e.g. ``-L<dir>`` where nvcc
 does not find ``libcudart_static.a``, as with the CUDA wheels); ``MXMOE_CUTLASS_WQ_LIB``
-names one library built before (:func:`build_command`) instead. Without a toolkit, headers or an sm90 GPU, or when the build
+names one library built before (:func:`build_command`) instead (the forward's; the dgrad's is
+``MXMOE_CUTLASS_WQ_DGRAD_LIB``). Without a toolkit, headers or an sm90 GPU, or when the build
 fails (a warning says why, once), design (a) runs: the same values. ``MXMOE_GROUPED_WQ=0``
-turns design (g) off. Forward only: the dgrad and wgrad stay design (a)'s.
+turns design (g) off. The wgrad stays design (a)'s.
 
 Untested on anything but the H200 (sm90a code: it does not run on sm100).
 """
@@ -57,16 +63,20 @@ SOURCE = Path(__file__).with_name("cutlass_wq.cu")
 BUILD = {"VARIANT": 3, "TM": 128, "TN": 320, "TK": 64, "CM": 1, "STAGES": 3, "QDQ": 5, "PINGPONG": 0,
          "EARLY": 1, "LOOP": 4}
 FORMATS = {"e4m3": 0, "e5m2": 1}
+# the GEMMs of mx_grouped_mm design (g) builds, and their macros: the dgrad's weight operand
+# is w_e^T (WT: M-major in memory, ldmatrix.trans)
+OPS = {"forward": {}, "dgrad": {"WT": 1}}
+_LIB_ENV = {"forward": "MXMOE_CUTLASS_WQ_LIB", "dgrad": "MXMOE_CUTLASS_WQ_DGRAD_LIB"}
 SCALE_MODES = {"rceil": 0, "floor": 1}
 # design (g) for at most this many tokens per expert on average (measured: 256 per expert
 # 0.90x against (a)'s 0.60x; 1024 about even; 2048 slower)
 MAX_TOKENS_PER_EXPERT = 640
 _ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of the output)
 
-_LIBS: dict[tuple[str, str], ctypes.CDLL] = {}
-_FAILED: dict[tuple[str, str], str] = {}
-_SHAPES: set[tuple] = set()  # (device, format, mode, E, N, K) whose first call (allocations) has run
-_WORKSPACE: dict[tuple, int] = {}  # (device, format, mode, E): workspace bytes
+_LIBS: dict[tuple[str, str, str], ctypes.CDLL] = {}  # (format, mode, op)
+_FAILED: dict[tuple[str, str, str], str] = {}
+_SHAPES: set[tuple] = set()  # (device, format, mode, op, E, N, K) whose first call (allocations) has run
+_WORKSPACE: dict[tuple, int] = {}  # (device, format, mode, op, E): workspace bytes
 
 
 def enabled() -> bool:
@@ -101,30 +111,31 @@ def nvcc_path() -> str | None:
     return str(cand) if cand is not None and cand.exists() else None
 
 
-def _name(fmt: str, mode: str) -> str:
-    """The build's NAME for (fmt, mode), the prefix of its C entries."""
-    return f"g_{fmt}_{mode}"
+def _name(fmt: str, mode: str, op: str = "forward") -> str:
+    """The build's NAME for (fmt, mode, op), the prefix of its C entries."""
+    return f"g_{fmt}_{mode}" + ("" if op == "forward" else f"_{op}")
 
 
-def symbol(fmt: str, mode: str, what: str = "forward") -> str:
-    """A C entry of the build for (fmt, mode): ``g_<fmt>_<mode>_<what>`` (forward,
-    workspace_bytes, last_error)."""
-    return f"{_name(fmt, mode)}_{what}"
+def symbol(fmt: str, mode: str, what: str = "forward", op: str = "forward") -> str:
+    """A C entry of the build for (fmt, mode, op): ``g_<fmt>_<mode>[_dgrad]_<what>``
+    (``what``: forward (the launch, for either op), workspace_bytes, last_error)."""
+    return f"{_name(fmt, mode, op)}_{what}"
 
 
 def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
-                  cutlass: str | os.PathLike = "CUTLASS") -> list[str]:
+                  cutlass: str | os.PathLike = "CUTLASS", op: str = "forward") -> list[str]:
     """The nvcc command that builds the library's design (g) for element format ``fmt``
-    ("e4m3" / "e5m2") and scale mode ``mode`` ("rceil" / "floor") into the shared library
-    ``out`` (sm_90a, the CUDA runtime linked statically).
+    ("e4m3" / "e5m2"), scale mode ``mode`` ("rceil" / "floor") and GEMM ``op`` ("forward":
+    w along K; "dgrad": w^T, along N) into the shared library ``out`` (sm_90a, the CUDA
+    runtime linked statically).
 
     Raises:
-        ValueError: an unknown format or mode.
+        ValueError: an unknown format, mode or op.
     """
-    if fmt not in FORMATS or mode not in SCALE_MODES:
-        raise ValueError(f"design (g) builds for formats {sorted(FORMATS)} and scale modes {sorted(SCALE_MODES)}, "
-                         f"got {fmt!r} / {mode!r}")
-    macros = {**BUILD, "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": _name(fmt, mode)}
+    if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS:
+        raise ValueError(f"design (g) builds for formats {sorted(FORMATS)}, scale modes {sorted(SCALE_MODES)} and "
+                         f"ops {sorted(OPS)}, got {fmt!r} / {mode!r} / {op!r}")
+    macros = {**BUILD, **OPS[op], "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": _name(fmt, mode, op)}
     return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
             f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
             *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out), str(SOURCE)]
@@ -134,19 +145,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MXMOE_CACHE_DIR") or Path.home() / ".cache" / "mxmoe")
 
 
-def cached_path(fmt: str, mode: str) -> Path:
-    """Where the build for (fmt, mode) is cached: ``MXMOE_CACHE_DIR`` (default
+def cached_path(fmt: str, mode: str, op: str = "forward") -> Path:
+    """Where the build for (fmt, mode, op) is cached: ``MXMOE_CACHE_DIR`` (default
     ``~/.cache/mxmoe``), named by a hash of the source and the build settings (not of the
     nvcc and CUTLASS locations, so a cache folder can be copied to another machine)."""
-    cmd = build_command(fmt, mode, "OUT")
+    cmd = build_command(fmt, mode, "OUT", op=op)
     digest = hashlib.sha256((SOURCE.read_text() + "\0".join(cmd)).encode()).hexdigest()[:16]
-    return _cache_dir() / f"cutlass_wq_{fmt}_{mode}_{digest}.so"
+    return _cache_dir() / f"cutlass_wq_{_name(fmt, mode, op)[2:]}_{digest}.so"
 
 
-def _build(fmt: str, mode: str) -> Path:
-    """The cached library for (fmt, mode), compiled now if missing (atomically renamed into
-    the cache, so a crash or a parallel build leaves no partial file)."""
-    path = cached_path(fmt, mode)
+def _build(fmt: str, mode: str, op: str = "forward") -> Path:
+    """The cached library for (fmt, mode, op), compiled now if missing (atomically renamed
+    into the cache, so a crash or a parallel build leaves no partial file)."""
+    path = cached_path(fmt, mode, op)
     if path.exists():
         return path
     nvcc, cutlass = nvcc_path(), cutlass_dir()
@@ -159,11 +170,11 @@ def _build(fmt: str, mode: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    print(f"mxmoe: building design (g) for {fmt} / {mode} with {nvcc} (about 2 minutes, once: cached in {path})",
+    print(f"mxmoe: building design (g) ({op}) for {fmt} / {mode} with {nvcc} (about 2 minutes, once: cached in {path})",
           file=sys.stderr, flush=True)
     try:
         extra = os.environ.get("MXMOE_NVCC_FLAGS", "").split()  # e.g. -L<dir of libcudart_static.a>
-        res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass) + extra, capture_output=True, text=True,
+        res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass, op) + extra, capture_output=True, text=True,
                              errors="replace")
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
@@ -175,14 +186,14 @@ def _build(fmt: str, mode: str) -> Path:
     return path
 
 
-def _load(path: str, fmt: str, mode: str) -> ctypes.CDLL:
+def _load(path: str, fmt: str, mode: str, op: str = "forward") -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
-    fwd = getattr(lib, symbol(fmt, mode))  # AttributeError: a library built for other settings
+    fwd = getattr(lib, symbol(fmt, mode, op=op))  # AttributeError: a library built for other settings
     fwd.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
     fwd.restype = ctypes.c_int
-    ws = getattr(lib, symbol(fmt, mode, "workspace_bytes"))
+    ws = getattr(lib, symbol(fmt, mode, "workspace_bytes", op))
     ws.argtypes, ws.restype = [ctypes.c_int], ctypes.c_longlong
-    err = getattr(lib, symbol(fmt, mode, "last_error"))
+    err = getattr(lib, symbol(fmt, mode, "last_error", op))
     err.argtypes, err.restype = [], ctypes.c_char_p
     return lib
 
@@ -200,39 +211,39 @@ def _user_stacklevel() -> int:
     return len(frames)
 
 
-def _give_up(key: tuple[str, str], why: str) -> None:
-    """Design (g) off for this (format, mode) in this process, with one warning."""
+def _give_up(key: tuple[str, str, str], why: str) -> None:
+    """Design (g) off for this (format, mode, op) in this process, with one warning."""
     _FAILED[key] = why
-    warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for "
-                  f"{key[0]} / {key[1]} ({why}); the forward quantizes the weight in a pass instead (design (a), "
+    warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for the "
+                  f"{key[2]} in {key[0]} / {key[1]} ({why}); it quantizes the weight in a pass instead (design (a), "
                   f"the same values; MXMOE_GROUPED_WQ=0 turns design (g) off without this warning)", RuntimeWarning,
                   stacklevel=_user_stacklevel())
 
 
-def library(fmt: str, mode: str) -> ctypes.CDLL | None:
-    """The loaded design (g) library for (fmt, mode): ``MXMOE_CUTLASS_WQ_LIB`` if set, else
-    the cached build (compiled on first use; a cached file that does not load is deleted and
-    built once more). None if that fails (warned once per format and mode; design (a) runs
-    instead)."""
-    key = (fmt, mode)
+def library(fmt: str, mode: str, op: str = "forward") -> ctypes.CDLL | None:
+    """The loaded design (g) library for (fmt, mode, op): ``MXMOE_CUTLASS_WQ_LIB`` (forward)
+    / ``MXMOE_CUTLASS_WQ_DGRAD_LIB`` (dgrad) if set, else the cached build (compiled on first
+    use; a cached file that does not load is deleted and built once more). None if that
+    fails (warned once per format, mode and op; design (a) runs instead)."""
+    key = (fmt, mode, op)
     if key in _FAILED:  # first: a library that failed at run time stays off
         return None
     if key in _LIBS:
         return _LIBS[key]
     try:
-        env = os.environ.get("MXMOE_CUTLASS_WQ_LIB")
+        env = os.environ.get(_LIB_ENV[op])
         if env:
             try:
-                lib = _load(env, fmt, mode)
+                lib = _load(env, fmt, mode, op)
             except OSError as err:
-                raise OSError(f"MXMOE_CUTLASS_WQ_LIB={env}: {err}") from err
+                raise OSError(f"{_LIB_ENV[op]}={env}: {err}") from err
         else:
-            path = _build(fmt, mode)
+            path = _build(fmt, mode, op)
             try:
-                lib = _load(str(path), fmt, mode)
+                lib = _load(str(path), fmt, mode, op)
             except (OSError, AttributeError):  # a damaged or foreign file in the cache: build it again
                 path.unlink(missing_ok=True)
-                lib = _load(str(_build(fmt, mode)), fmt, mode)
+                lib = _load(str(_build(fmt, mode, op)), fmt, mode, op)
     except (OSError, RuntimeError, AttributeError) as err:
         _give_up(key, f"{type(err).__name__}: {err}")
         return None
@@ -241,18 +252,19 @@ def library(fmt: str, mode: str) -> ctypes.CDLL | None:
 
 
 def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, recipe, capability,
-             capturing: bool, seen: bool) -> bool:
+             capturing: bool, seen: bool, op: str = "forward") -> bool:
     """The rule of :func:`applies`, without a device (so that it can be tested anywhere):
     enabled, an MXFP8 recipe (E4M3 / E5M2 elements, blocks of 32, rceil / floor) whose
-    build has not failed, bfloat16 contiguous x (T, K) and w (E, N, K) with w 16-byte aligned
-    (TMA), T, K, N > 0 (K = 0 would leave the kernel waiting for k-tiles), K and N multiples
-    of 8, T <= ``MAX_TOKENS_PER_EXPERT`` * E, an sm90 device (``capability`` (9, 0): the
-    binary is sm_90a), and not under CUDA-graph capture unless this shape ran once on this
-    device (``seen``: its first call allocates)."""
+    build for ``op`` has not failed, bfloat16 contiguous tokens (x (T, K) for the forward,
+    dout (T, N) for the dgrad; ``x_shape`` is (T, K) for both) and w (E, N, K) with w 16-byte
+    aligned (TMA), T, K, N > 0 (an empty contraction would leave the kernel waiting for
+    k-tiles), K and N multiples of 8, T <= ``MAX_TOKENS_PER_EXPERT`` * E, an sm90 device
+    (``capability`` (9, 0): the binary is sm_90a), and not under CUDA-graph capture unless
+    this shape ran once on this device (``seen``: its first call allocates)."""
     if not (enabled() and recipe.quantize and recipe.block_size == 32 and dtypes_bf16 and contiguous):
         return False
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
-    if fmt not in FORMATS or mode not in SCALE_MODES or (fmt, mode) in _FAILED:
+    if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS or (fmt, mode, op) in _FAILED:
         return False
     (T, K), (E, N, _) = x_shape, w_shape
     if min(T, K, N, E) <= 0 or K % _ALIGN or N % _ALIGN or w_ptr % 16 or T > MAX_TOKENS_PER_EXPERT * E:
@@ -260,17 +272,18 @@ def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, 
     return tuple(capability) == (9, 0) and (seen or not capturing)
 
 
-def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe) -> bool:
-    """Whether the forward of ``mx_grouped_mm(x, w, offsets, recipe)`` can run design (g)
-    (the rule: :func:`eligible`). Cheap: no build, no host synchronization."""
+def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe, op: str = "forward") -> bool:
+    """Whether design (g) can run ``op`` of ``mx_grouped_mm``: the forward of x (T, K) and w
+    (E, N, K), or the dgrad of dout (T, N) (``x`` then) and w (the rule: :func:`eligible`).
+    Cheap: no build, no host synchronization."""
     if not (x.is_cuda and recipe.quantize):
         return False
     E, N, K = w.shape
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    seen = (dev, recipe.fmt.value, recipe.scale_mode.value, E, N, K) in _SHAPES
-    return eligible(tuple(x.shape), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
+    seen = (dev, recipe.fmt.value, recipe.scale_mode.value, op, E, N, K) in _SHAPES
+    return eligible((x.shape[0], K), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
                     x.is_contiguous() and w.is_contiguous(), w.data_ptr(), recipe,
-                    torch.cuda.get_device_capability(x.device), torch.cuda.is_current_stream_capturing(), seen)
+                    torch.cuda.get_device_capability(x.device), torch.cuda.is_current_stream_capturing(), seen, op)
 
 
 def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
@@ -293,28 +306,62 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
     A failure of the library at run time (its allocation, the launch) turns design (g) off
     for the (format, mode) with one warning and returns None.
     """
+    return _run("forward", xq, w, offsets, recipe)
+
+
+def grouped_mm_nn_wq(dyq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
+    """The dgrad: dx[t] = dyq[t] @ Q_N(w[e]) for the rows t of expert e, with Q_N the
+    recipe's MX quantize-dequantize of w along N (blocks of 32 along N for each k), done
+    inside the GEMM (design (g), the ``WT`` build); zero rows past offsets[-1].
+
+    Args:
+        dyq: (T, N) bfloat16 contiguous, the output gradient (already quantize-dequantized
+            along N).
+        w: (E, N, K) bfloat16 contiguous, the raw expert weights.
+        offsets: (E,) int32 / int64 cumulative end rows (as for :func:`grouped_mm_nt_wq`).
+        recipe: an MXFP8 :class:`~mxmoe.recipe.Recipe` for which ``applies(dyq, w, offsets,
+            recipe, "dgrad")`` held.
+
+    Returns:
+        (T, K) bfloat16 (float32 accumulation), equal to design (a)'s
+        ``grouped_mm_nn(dyq, fake_quantize(w, recipe, dim=1), offsets)`` (checked bit for bit
+        on the H200: benchmarks/check_grouped_wq.py); None if the library is not available.
+
+    Failures: as :func:`grouped_mm_nt_wq` (design (g)'s dgrad off, one warning, None).
+    """
+    return _run("dgrad", dyq, w, offsets, recipe)
+
+
+def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
+    """Launch design (g)'s ``op`` on tokens ``a`` (T, contraction) and w (E, N, K): the C
+    entry's weight operand is Nout x Kc per expert (forward: w_e, N x K; dgrad: w_e^T,
+    K x N, the same memory)."""
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
-    lib = library(fmt, mode)
+    lib = library(fmt, mode, op)
     if lib is None:
         return None
     from ..ops.gemm import zero_rows_past_end
     from .group_tables import group_tables
 
-    T, K = xq.shape
-    E, N, _ = w.shape
-    with torch.cuda.device(xq.device):  # the C entry and the table kernel use the current device
+    T = a.shape[0]
+    E, N, K = w.shape
+    # the weight as the kernel's (Nout, Kc) per expert: a view (group_tables reads the
+    # shape and the base address only)
+    w_op = w if op == "forward" else w.transpose(1, 2)
+    nout, kc = w_op.shape[1], w_op.shape[2]
+    with torch.cuda.device(a.device):  # the C entry and the table kernel use the current device
         dev = torch.cuda.current_device()
-        wkey = (dev, fmt, mode, E)
+        wkey = (dev, fmt, mode, op, E)
         if wkey not in _WORKSPACE:
-            _WORKSPACE[wkey] = int(getattr(lib, symbol(fmt, mode, "workspace_bytes"))(E))
+            _WORKSPACE[wkey] = int(getattr(lib, symbol(fmt, mode, "workspace_bytes", op))(E))
         # per call from this stream's allocator: launches on other streams never share it
-        workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=xq.device)
-        out = torch.empty(T, N, device=xq.device, dtype=torch.bfloat16)
-        problems, pa, pb, pd = group_tables(offsets, w, xq, out)
+        workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=a.device)
+        out = torch.empty(T, nout, device=a.device, dtype=torch.bfloat16)
+        problems, pa, pb, pd = group_tables(offsets, w_op, a, out)
         for attempt in range(2):
-            rc = getattr(lib, symbol(fmt, mode))(E, N, K, problems.data_ptr(), pa.data_ptr(), pb.data_ptr(),
-                                                  pd.data_ptr(), workspace.data_ptr(), _WORKSPACE[wkey],
-                                                  torch.cuda.current_stream().cuda_stream)
+            rc = getattr(lib, symbol(fmt, mode, op=op))(E, nout, kc, problems.data_ptr(), pa.data_ptr(),
+                                                        pb.data_ptr(), pd.data_ptr(), workspace.data_ptr(),
+                                                        _WORKSPACE[wkey], torch.cuda.current_stream().cuda_stream)
             if rc != 1 or attempt or torch.cuda.is_current_stream_capturing():
                 break
             torch.cuda.empty_cache()  # a shape's stride arrays come from cudaMalloc: free torch's cache, once
@@ -322,8 +369,8 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
         what = {1: "allocation or copy failed", 2: "problem refused", 3: "initialize failed", 4: "launch failed",
                 5: "workspace too small"}.get(rc, "unknown")
         if rc in (1, 4):  # the CUDA error behind it (the C entry records those two)
-            what += f": {getattr(lib, symbol(fmt, mode, 'last_error'))().decode()}"
-        _give_up((fmt, mode), f"code {rc}, {what}, for E={E} N={N} K={K}")
+            what += f": {getattr(lib, symbol(fmt, mode, 'last_error', op))().decode()}"
+        _give_up((fmt, mode, op), f"code {rc}, {what}, for E={E} N={N} K={K}")
         return None
-    _SHAPES.add((dev, fmt, mode, E, N, K))
+    _SHAPES.add((dev, fmt, mode, op, E, N, K))
     return zero_rows_past_end(out, offsets)

@@ -47,8 +47,9 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor)
             values are clamped: each group is [offsets[e-1], offsets[e]] clamped to [0, T]
             (empty where it would be negative); groups may then overlap (the results there
             are undefined, as for design (a)), but none reaches outside x and out.
-            w_ENK (E, N, K), x_TK (T, K),
-            out_TN (T, N): contiguous, one element size, on offsets' device.
+            w_ENK (E, N, K): only its shape and base address are read (a transposed view
+            gives the dgrad's tables: w^T (E, K, N) per expert, the same memory),
+            x_TK (T, K), out_TN (T, N): contiguous, one element size, on offsets' device.
     """
     E, N, K = w_ENK.shape
     dev = offsets_E.device

@@ -9,8 +9,8 @@ x (T, K) holds tokens sorted by expert; expert e owns rows offsets[e-1]:offsets[
                                      separately and zero padded to a multiple of 32
 
 Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Nothing here
-synchronizes with the host on CUDA, except the first design (g) forward of a shape on a
-device (its stride arrays: kernels/cutlass_wq.py) and its build at first use. Rows past offsets[-1] are never read: their outputs
+synchronizes with the host on CUDA, except the first design (g) forward or dgrad of a shape
+on a device (its stride arrays: kernels/cutlass_wq.py) and its build at first use. Rows past offsets[-1] are never read: their outputs
 and input gradients are exact zeros. Experts with no tokens get exact zero gradients.
 """
 
@@ -67,12 +67,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                       else native_grouped_mm_tn(dy_TN, x_TK, offsets_E, recipe)).to(w_ENK.dtype)
             return dx, dw, None, None
         if ctx.needs_input_grad[0]:
-            if recipe.quantize:
-                dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
-                wq_ENK = dgrad_operand(w_ENK, recipe, dtype, ctx.wq_dgrad)  # along N
-            else:
-                dyq_TN, wq_ENK = dy_TN.to(torch.bfloat16), dgrad_operand(w_ENK, recipe, torch.bfloat16, ctx.wq_dgrad)
-            dx = grouped_mm_nn(dyq_TN, wq_ENK, offsets_E).to(dtype)  # (T, N) x (E, N, K) -> (T, K)
+            dx = _dgrad(dy_TN, w_ENK, offsets_E, recipe, ctx.wq_dgrad)
         if ctx.needs_input_grad[1]:
             if not recipe.quantize:
                 a_NL, b_KL, offs = dy_TN.t().to(torch.bfloat16), x_TK.t().to(torch.bfloat16), offsets_E
@@ -84,6 +79,58 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             padded = recipe.quantize and not recipe.wgrad_high_precision
             dw = grouped_mm_tn(a_NL, b_KL, offs, nonempty_groups=padded).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
         return dx, dw, None, None
+
+
+def _dgrad(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe, wq_dgrad: Tensor | None = None) -> Tensor:
+    """The dgrad of ``mx_grouped_mm``: dx (T, K) in dy's dtype = dy_e (quantized along N)
+    times w_e (quantized along N, or ``wq_dgrad``: the copy ``weight_operands`` made in the
+    forward inside ``weight_copy_cache()``). dy (T, N) contiguous, in x's dtype."""
+    dtype = dy_TN.dtype
+    if not recipe.quantize:
+        return grouped_mm_nn(dy_TN.to(torch.bfloat16), dgrad_operand(w_ENK, recipe, torch.bfloat16, wq_dgrad),
+                             offsets_E).to(dtype)
+    dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
+    # sm90, few tokens per expert, no cached copy: design (g)'s dgrad quantizes the raw
+    # weight along N inside the GEMM (kernels/cutlass_wq.py), same values as the pass below
+    if wq_dgrad is None and active_cache(w_ENK) is None and cutlass_wq.applies(dy_TN, w_ENK, offsets_E, recipe, "dgrad"):
+        dx = cutlass_wq.grouped_mm_nn_wq(dyq_TN, w_ENK, offsets_E, recipe)
+        if dx is not None:
+            return dx
+    wq_ENK = dgrad_operand(w_ENK, recipe, dtype, wq_dgrad)  # along N
+    return grouped_mm_nn(dyq_TN, wq_ENK, offsets_E).to(dtype)  # (T, N) x (E, N, K) -> (T, K)
+
+
+def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
+    """The input gradient of :func:`mx_grouped_mm` alone: dx[t] = dy[t] @ w[e] for the rows
+    t of expert e, dy and w quantized along N under ``recipe`` (what its backward runs; for
+    benchmarks and for callers that need no weight gradient).
+
+    Args:
+        dy: (T, N) float32/bfloat16/float16, rows sorted by expert.
+        w: (E, N, K) expert weights.
+        offsets: (E,) int32 / int64 cumulative end rows on dy's device.
+        recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
+
+    Returns:
+        (T, K) in dy's dtype; rows past offsets[-1] are zeros.
+
+    Raises:
+        TypeError, ValueError: as :func:`mx_grouped_mm` (dy in x's place, with N for K).
+    """
+    recipe = get_recipe(recipe)
+    if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dy has dtype {dy.dtype}; mx_grouped_mm_dgrad takes float32, bfloat16 or float16")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+    if dy.dim() != 2 or w.dim() != 3 or w.shape[1] != dy.shape[1]:
+        raise ValueError(f"expected dy (T, N) and w (E, N, K) with the same N, got {tuple(dy.shape)} and {tuple(w.shape)}")
+    if offsets.shape != (w.shape[0],):
+        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
+    if not (dy.device == w.device == offsets.device):
+        raise ValueError(f"dy, w and offsets must be on one device, got {dy.device}, {w.device}, {offsets.device}")
+    if recipe.quantize and use_native_mx_grouped_mm(dy.device, recipe):
+        return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
+    return _dgrad(dy.contiguous(), w, offsets, recipe)
 
 
 # torch.compile runs our MXFP8 autograd Functions eagerly, a graph break on each side (the
