@@ -32,6 +32,10 @@ import torch
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--timing-only", action="store_true", help="skip the checks")
+    ap.add_argument("--max-tokens-per-expert", type=int, default=None,
+                    help="override cutlass_wq.MAX_TOKENS_PER_EXPERT for the timing (to measure design (g) where "
+                         "the rule would not take it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check runs on the H200", file=sys.stderr)
@@ -114,6 +118,8 @@ def main() -> int:
             checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         print(f"  {name:58s} {checks[name]}", flush=True)
 
+    if args.timing_only:
+        case = lambda *a, **k: None  # noqa: E731
     case("sizes [162,0,2577,446,0,83] K=1408 N=64", [162, 0, 2577, 446, 0, 83], 1408, 64)
     case("all tokens on one expert (E=8, 2048)", [0, 0, 2048, 0, 0, 0, 0, 0], 2048, 256)
     for E in (33, 64, 128, 256):
@@ -155,9 +161,13 @@ def main() -> int:
     torch.cuda.synchronize()
     checks["CUDA graph replay"] = {"ok": same(static, eager) and same(static_dx, eager_dx) and calls["n"] > before
                                    and calls["d"] > before_d}
+    del g, static, static_dx
     print(f"  {'CUDA graph replay':58s} {checks['CUDA graph replay']}", flush=True)
 
     rows = []
+    if args.max_tokens_per_expert is not None:
+        cutlass_wq.MAX_TOKENS_PER_EXPERT = args.max_tokens_per_expert
+        info["max tokens per expert (overridden)"] = args.max_tokens_per_expert
     cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
     for (T, K, N, E), skewed in cases:
         sizes = group_sizes(T, E, skewed)
