@@ -21,6 +21,9 @@
 //      per-k-block conversion replaced by the block quantization (the MixedInputUtils
 //      specialization below; QDQ picks its arithmetic); exact: the values of design
 //      (a)'s quantize pass, bit for bit
+//   WT = 1 (VARIANT 3, LOOP 4; session 15): the dgrad, dX_g (S_g x K) = dY_g (S_g x N) W_g:
+//      the register operand is W_g^T (K x N: Nout = K, contracted over N), whose memory is
+//      W_g as it lies (K contiguous: M-major), quantized along N by the same arithmetic
 // TM, TN, TK: the CTA tile; CM: CTAs per cluster along M (weight rows), multicasting the
 // token tile. Built with nvcc -arch=sm_90a into a shared library whose C functions take
 // device pointers (NAME_forward: no host synchronization after the first call of a shape).
