@@ -351,3 +351,55 @@ def test_ctypes_signatures_match_the_c_entries(monkeypatch):
             assert [width[p] for p in params] == list(fn.argtypes), what
     assert lib.g_e4m3_rceil_dgrad_forward.restype is ctypes.c_int
     assert lib.g_e4m3_rceil_dgrad_workspace_bytes.restype is ctypes.c_longlong
+
+
+def test_processes_needing_one_build_take_turns(tmp_path):
+    """Two builds of one (format, mode, op) at once (ranks of one node): the first compiles,
+    the second waits on the lock file meanwhile and then finds the library (one compile)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    runs, go = tmp_path / "runs", tmp_path / "go"
+    fake_nvcc = tmp_path / "nvcc"
+    # a fake nvcc: counts its runs, waits for the test's go, writes the file given after -o
+    fake_nvcc.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, sys, time
+        open({str(runs)!r}, 'a').write('x')
+        t = time.time()
+        while not os.path.exists({str(go)!r}) and time.time() - t < 60:
+            time.sleep(0.05)
+        open(sys.argv[sys.argv.index('-o') + 1], 'wb').write(b'lib')
+    """))
+    fake_nvcc.chmod(0o755)
+    (tmp_path / "cutlass" / "include" / "cutlass").mkdir(parents=True)
+    (tmp_path / "cutlass" / "include" / "cutlass" / "cutlass.h").write_text("")
+    env = {**os.environ, "MXMOE_CACHE_DIR": str(tmp_path / "cache"), "MXMOE_NVCC": str(fake_nvcc),
+           "MXMOE_CUTLASS_DIR": str(tmp_path / "cutlass")}
+    code = "from mxmoe.kernels import cutlass_wq as c; print(c._build('e4m3', 'rceil', 'dgrad'))"
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    first = start()
+    t0 = time.time()
+    while not runs.exists():  # the first one holds the lock and runs nvcc
+        assert time.time() - t0 < 120 and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    second = start()
+    lines = []
+    for line in second.stderr:  # it says it waits (and then blocks on the lock)
+        lines.append(line)
+        if "waiting for another process's build" in line:
+            break
+    else:
+        raise AssertionError(f"the second process did not wait: {lines}")
+    go.write_text("")
+    outs = [first.communicate(timeout=120), second.communicate(timeout=120)]
+    assert first.returncode == 0 and second.returncode == 0, outs
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith(".so")
+    assert runs.read_text() == "x"  # one compile

@@ -31,7 +31,8 @@ The kernel is compiled at first use, once per (element format, scale mode), with
 (CUDA >= 12.8: ``MXMOE_NVCC``, ``nvcc`` on the PATH or ``$CUDA_HOME/bin``) and CUTLASS 4.2's
 headers (``MXMOE_CUTLASS_DIR``, a CUTLASS checkout with ``include/`` and
 ``tools/util/include/``, else the ``cutlass_library`` package of the ``nvidia-cutlass`` wheel),
-~2 minutes, into ``MXMOE_CACHE_DIR`` (default ``~/.cache/mxmoe``), named by a hash of the
+~2 minutes (processes needing it at once take turns on a lock file: one compiles), into
+``MXMOE_CACHE_DIR`` (default ``~/.cache/mxmoe``), named by a hash of the
 source and the build settings (:func:`cached_path`; a filled cache folder can be copied to
 another machine); ``MXMOE_NVCC_FLAGS`` adds flags (not hashed: e.g. ``-L<dir>`` where nvcc
 does not find ``libcudart_static.a``, as with the CUDA wheels); ``MXMOE_CUTLASS_WQ_LIB``
@@ -158,10 +159,35 @@ def cached_path(fmt: str, mode: str, op: str = "forward") -> Path:
 
 def _build(fmt: str, mode: str, op: str = "forward") -> Path:
     """The cached library for (fmt, mode, op), compiled now if missing (atomically renamed
-    into the cache, so a crash or a parallel build leaves no partial file)."""
+    into the cache, so a crash leaves no partial file). Processes that need the same build
+    at once (the ranks of one node) take turns on a lock file beside it: the first compiles,
+    the others then find the file."""
     path = cached_path(fmt, mode, op)
     if path.exists():
         return path
+    if nvcc_path() is None or cutlass_dir() is None:
+        return _compile(path, fmt, mode, op)  # raises, naming what is missing: no lock to wait for
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"mxmoe: waiting for another process's build of design (g) ({op}) for {fmt} / {mode} ({path})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if path.exists():  # built by the process that held the lock
+            return path
+        return _compile(path, fmt, mode, op)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _compile(path: Path, fmt: str, mode: str, op: str) -> Path:
+    """Compile the build for (fmt, mode, op) into ``path`` (through a temporary file in its
+    folder, renamed when complete)."""
     nvcc, cutlass = nvcc_path(), cutlass_dir()
     if nvcc is None:
         raise RuntimeError("nvcc not found (MXMOE_NVCC, the PATH or $CUDA_HOME/bin; CUDA >= 12.8)")
