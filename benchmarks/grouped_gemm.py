@@ -148,6 +148,9 @@ def main() -> int:
     if args.torchao_child:
         return torchao_child(args.torchao_child)
     smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA device: grouped_gemm.py times the GPU (--smoke runs tiny shapes on the CPU)", file=sys.stderr)
+        return 2
     GRAPH["on"] = not args.eager
     dev = torch.device("cpu" if smoke else "cuda")
     import triton
@@ -155,7 +158,8 @@ def main() -> int:
     info = {"gpu": "cpu" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "commit": os.environ.get("COMMIT", "unknown"),
             "date": time.strftime("%Y-%m-%d"), "fmt": "e4m3", "mode": "rceil",
-            "timing": ("eager launches" if args.eager else "CUDA-graph replay") + " (torchao: eager, its own process)"}
+            "timing": "CPU smoke: the ratios mean nothing" if smoke else
+            ("eager launches" if args.eager else "CUDA-graph replay") + " (torchao: eager, its own process)"}
     print(json.dumps(info))
     use_tao = not (smoke or args.no_torchao)
     recipe = get_recipe("mxfp8", backend="reference" if smoke else "auto")

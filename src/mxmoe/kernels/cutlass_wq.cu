@@ -55,6 +55,15 @@ using namespace cute;
 #ifndef NAME
 #define NAME v0
 #endif
+#ifndef FMT
+#define FMT 0  // VARIANT 3 and 4: 0 E4M3, 1 E5M2
+#endif
+#ifndef MODE
+#define MODE 0  // VARIANT 3: 0 rceil, 1 floor (docs/NUMERICS.md)
+#endif
+#ifndef STAGES
+#define STAGES 4  // VARIANT 3 and 4: pipeline stages
+#endif
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 
@@ -62,7 +71,9 @@ namespace {
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using Bf16 = cutlass::bfloat16_t;
 using E4m3 = cutlass::float_e4m3_t;
-using ElementW = cute::conditional_t<VARIANT == 0, Bf16, cute::conditional_t<VARIANT == 3, cutlass::half_t, E4m3>>;
+using ElementQ = cute::conditional_t<FMT == 1, cutlass::float_e5m2_t, E4m3>;  // VARIANT 4's codes
+using ElementW = cute::conditional_t<VARIANT == 0, Bf16, cute::conditional_t<VARIANT == 3, cutlass::half_t,
+                                     cute::conditional_t<VARIANT == 4, ElementQ, E4m3>>>;
 using ElementScale = Bf16;
 #ifndef LOOP
 #define LOOP 0  // VARIANT 3's consumer loop: 0 CUTLASS's, 2 or 4 ours (below)
@@ -150,9 +161,6 @@ using SmemAtomBQ = decltype(cute::make_composed_layout(
 #else
 using SmemAtomBQ = decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>());
 #endif
-#ifndef STAGES
-#define STAGES 4
-#endif
 constexpr int StagesQ = STAGES;
 template <class TransformA>
 using CollectiveQ = cutlass::gemm::collective::CollectiveMma<
@@ -166,6 +174,32 @@ using MainloopQ = CollectiveQ<QdqTransform>;
 // complete the plain collective (and with it its MixedInputUtils) before the specialization
 // below derives from that MixedInputUtils
 static_assert(sizeof(typename CollectiveQ<cute::identity>::SharedStorage) > 0);
+#elif VARIANT == 4
+// Design (b) in CUTLASS (session 15): the weight's MXFP8 copy, written by a quantize pass
+// (codes K-major; E8M0 scales with the two 32-element blocks of a 64-element k-tile packed
+// in one uint16 per row, the first block in the low byte, M-major), converted in registers
+// by the mixed-input mainloop in ConvertAndScale mode (scale chunk 64 = TK: one uint16 per
+// row and k-tile); the conversion itself is ours (the MixedInputUtils specialization
+// below: code to bf16, times 2^e, the arithmetic of VARIANT 3's decode).
+struct E8m0PairTransform {};
+namespace cd = cutlass::gemm::collective::detail;
+static_assert(TK == 64, "VARIANT 4 packs the two E8M0 scales of a 64-element k-tile in one uint16");
+static_assert(!WT, "VARIANT 4 reads K-major codes (the dgrad's are written transposed by its pass)");
+using TiledMma8 = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<Bf16, Bf16, float, TileShape, GMMA::Major::K, GMMA::Major::K>(),
+    Layout<Shape<Int<PINGPONG ? 1 : 2>, _1, _1>>{}));
+template <class TransformA>
+using Collective8 = cutlass::gemm::collective::CollectiveMma<
+    cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInput<STAGES, ClusterShape, KernelSchedule>,
+    TileShape, cute::tuple<ElementQ, uint16_t>, cutlass::detail::TagToStrideA_t<LayoutW*>, Bf16,
+    cutlass::detail::TagToStrideB_t<LayoutX*>, TiledMma8,
+    decltype(cd::sm90_cluster_shape_to_tma_atom(shape<1>(ClusterShape{}))),
+    decltype(cd::rs_smem_selector<GMMA::Major::K, ElementQ, Int<TM>, Int<TK>, false>()),
+    Copy_Atom<cute::AutoVectorizingCopy, ElementQ>, TransformA,
+    decltype(cd::sm90_cluster_shape_to_tma_atom(shape<0>(ClusterShape{}))),
+    decltype(cd::rs_smem_selector<GMMA::Major::K, Bf16, Int<TN>, Int<TK>, false>()), void, cute::identity>;
+using Mainloop = Collective8<E8m0PairTransform>;
+static_assert(sizeof(typename Collective8<cute::identity>::SharedStorage) > 0);
 #else
 using OperandA = cute::conditional_t<VARIANT == 2, cute::tuple<ElementW, ElementScale>, ElementW>;
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -177,13 +211,7 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
 
 }  // namespace
 
-#if VARIANT == 3
-#ifndef FMT
-#define FMT 0  // 0: E4M3, 1: E5M2
-#endif
-#ifndef MODE
-#define MODE 0  // 0: rceil, 1: floor (docs/NUMERICS.md)
-#endif
+#if VARIANT >= 3
 namespace mxq {
 // The MX block quantization of benchmarks/gluon_wq_tma.qdq_block_asm (design (e), exact
 // against the quantizers), per pair of bf16 values of one row: the scale exponent e from
@@ -327,6 +355,22 @@ __device__ __forceinline__ uint32_t decode_bf16(unsigned short h, uint32_t sc2) 
   return out;
 }
 
+// VARIANT 4: the RowScale of an E8M0 scale byte s (2^(s - 127); 0xFF: NaN) for the decode
+// alone (no encode: inv2 unused); s = 0 (2^-127, no normal bf16) and every e < kFastMin
+// take the float32 decode
+__device__ __forceinline__ RowScale e8m0_row_scale(uint32_t s) {
+  const bool nf = s == 0xFFu;
+  RowScale r;
+  r.inv2 = 0u;
+  r.sc2 = nf ? 0x7FC07FC0u : (s << 7) * 0x10001u;  // the bf16 exponent field of 2^e is s
+  uint32_t b = s << 23;
+  if (s == 0u) b = 0x400000u;
+  if (nf) b = 0x7FC00000u;
+  r.sc = __uint_as_float(b);
+  r.slow = int(s) - 127 < kFastMin && !nf;
+  return r;
+}
+
 __device__ __forceinline__ uint32_t qdq_pair2(uint32_t x, const RowScale& r) {
   const unsigned short h = encode_pair(x, r.inv2);
   return r.slow ? decode_slow(h, r.sc) : decode_bf16(h, r.sc2);
@@ -379,6 +423,7 @@ __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
 }
 }  // namespace mxq
 
+#if VARIANT == 3
 namespace cutlass::gemm::collective::detail {
 // The weight's per-k-block conversion of the mixed-input mainloop, replaced by the MXFP8
 // quantization. A thread's A fragment of one k-block (16 k) of an m64k16 wgmma holds 8
@@ -627,6 +672,37 @@ struct Mainloop : MainloopQ {
 };
 #endif
 }  // namespace
+#else  // VARIANT 4
+namespace cutlass::gemm::collective::detail {
+// VARIANT 4's conversion of one k-block (the m64k16 A fragment of a thread: 8 codes, rows r
+// and r + 8 of its warp's 16, as VARIANT 3's), the codes read as 4 pairs (row r, row r + 8,
+// row r, row r + 8) and the scales as the uint16 of each row (the collective broadcasts a
+// row's scale over the fragment: element 0 is row r's, element 2 row r + 8's); k-blocks 0-1
+// of the 64-element k-tile take the low byte, 2-3 the high byte. One slow / fast branch per
+// warp, as QDQ 5.
+template <>
+struct MixedInputUtils<::Mainloop> : MixedInputUtils<::Collective8<cute::identity>> {
+  template <class EngineIn, class EngineOut, class LayoutIn, class LayoutOut, class... Ts>
+  CUTLASS_DEVICE static void dequantize_A_kblock(Tensor<EngineIn, LayoutIn> const& tCrA_load,
+                                                 Tensor<EngineOut, LayoutOut>& tCrA_mma,
+                                                 cute::tuple<Ts...>& extra, int const k_block) {
+    static_assert(decltype(size(tCrA_load(_, _, 0)))::value == 8, "one m64 atom per thread along M");
+    static_assert(decltype(size<2>(tCrA_load))::value == 4, "four k-blocks per k-tile (TK = 64)");
+    auto scales = cute::get<1>(extra)(_, _, k_block);
+    const int shift = (k_block & 2) ? 8 : 0;
+    const mxq::RowScale r0 = mxq::e8m0_row_scale((uint32_t(scales(0)) >> shift) & 0xFFu);
+    const mxq::RowScale r1 = mxq::e8m0_row_scale((uint32_t(scales(2)) >> shift) & 0xFFu);
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(raw_pointer_cast(tCrA_load.data())) + 4 * k_block;
+    uint32_t* q = reinterpret_cast<uint32_t*>(raw_pointer_cast(tCrA_mma.data())) + 4 * k_block;
+    if (__any_sync(0xFFFFFFFFu, r0.slow || r1.slow)) {
+      for (int i = 0; i < 4; ++i) q[i] = mxq::decode_slow(h[i], (i & 1) ? r1.sc : r0.sc);
+    } else {
+      for (int i = 0; i < 4; ++i) q[i] = mxq::decode_bf16(h[i], (i & 1) ? r1.sc2 : r0.sc2);
+    }
+  }
+};
+}  // namespace cutlass::gemm::collective::detail
+#endif  // VARIANT
 #endif
 
 namespace {
@@ -664,6 +740,18 @@ int alloc_strides(State& st, int groups, int nout, int k) {
     st.dA = nullptr; st.dB = nullptr; st.dD = nullptr;
     return 1;
   }
+#if VARIANT == 4
+  {  // the scales' strides: (Nout, K / 64) per group, Nout contiguous
+    using StrideS = typename Mainloop::StrideScale;
+    std::vector<StrideS> sv(groups, cutlass::make_cute_packed_stride(StrideS{}, {nout, (k + TK - 1) / TK, 1}));
+    if (cudaMalloc(&st.dS, groups * sizeof(StrideS)) ||
+        cudaMemcpy(st.dS, sv.data(), groups * sizeof(StrideS), cudaMemcpyHostToDevice)) {
+      cudaFree(st.dA); cudaFree(st.dB); cudaFree(st.dD); cudaFree(st.dS);
+      st.dA = nullptr; st.dB = nullptr; st.dD = nullptr; st.dS = nullptr;
+      return 1;
+    }
+  }
+#endif
   return 0;
 }
 
@@ -677,13 +765,14 @@ void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void*
   fusion.alpha = 1.f;
   fusion.beta = 0.f;
   auto shapes = reinterpret_cast<typename ProblemShape::UnderlyingProblemShape*>(problems);
-#if VARIANT == 2
+#if VARIANT == 2 || VARIANT == 4
   {
     using StrideS = typename Mainloop::StrideScale;
     args = Args{cutlass::gemm::GemmUniversalMode::kGrouped,
                 {groups, shapes, nullptr},
                 {reinterpret_cast<ElementW const**>(pa), st.dA, reinterpret_cast<Bf16 const**>(pb), st.dB,
-                 reinterpret_cast<ElementScale const**>(ps), reinterpret_cast<StrideS const*>(st.dS), chunk},
+                 reinterpret_cast<typename Mainloop::NonVoidElementScale const**>(ps),
+                 reinterpret_cast<StrideS const*>(st.dS), chunk},
                 {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), st.dD},
                 hw};
   }
@@ -759,8 +848,8 @@ long long CAT(NAME, _workspace_bytes)(int groups) {
 
 const char* CAT(NAME, _last_error)() { return cudaGetErrorString(g_last_error); }
 
-int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd, void* workspace,
-                        long long workspace_bytes, void* stream) {
+static int forward_impl(int groups, int nout, int k, void* problems, void* pa, void* pb, void* ps, void* pd,
+                        void* workspace, long long workspace_bytes, void* stream) {
   static std::map<std::tuple<int, int, int, int>, State> states;
   static std::mutex lock;
   cudaGetLastError();  // a stale error of this (static) runtime would fail the launch check below
@@ -778,7 +867,7 @@ int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, v
     st = it->second;  // the stride pointers (never freed: one small set per shape and device)
   }
   typename Gemm::Arguments args;
-  fill_args(args, groups, problems, pa, pb, nullptr, pd, 0, st);
+  fill_args(args, groups, problems, pa, pb, ps, pd, TK, st);
   if ((long long)Gemm::get_workspace_size(args) > workspace_bytes) return 5;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 2;
@@ -789,6 +878,20 @@ int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, v
   }
   return 0;
 }
+
+#if VARIANT == 4
+// VARIANT 4's entry: NAME_forward with ps, the device array of the groups' scale pointers
+// (uint16 (K / 64, Nout) per group, Nout contiguous: the two E8M0 bytes of a k-tile's row)
+int CAT(NAME, _forward_scaled)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* ps, void* pd,
+                               void* workspace, long long workspace_bytes, void* stream) {
+  return forward_impl(groups, nout, k, problems, pa, pb, ps, pd, workspace, workspace_bytes, stream);
+}
+#else
+int CAT(NAME, _forward)(int groups, int nout, int k, void* problems, void* pa, void* pb, void* pd, void* workspace,
+                        long long workspace_bytes, void* stream) {
+  return forward_impl(groups, nout, k, problems, pa, pb, nullptr, pd, workspace, workspace_bytes, stream);
+}
+#endif
 
 static_assert(sizeof(typename Kernel::SharedStorage) <= 232448, "shared memory of sm90 exceeded: fewer STAGES");
 int CAT(NAME, _smem)() { return int(sizeof(typename Kernel::SharedStorage)); }

@@ -68,8 +68,13 @@ BUILD = {"VARIANT": 3, "TM": 128, "TN": 320, "TK": 64, "CM": 1, "STAGES": 3, "QD
 FORMATS = {"e4m3": 0, "e5m2": 1}
 # the GEMMs of mx_grouped_mm design (g) builds, and their macros: the dgrad's weight operand
 # is w_e^T (WT: M-major in memory, ldmatrix.trans)
-OPS = {"forward": {}, "dgrad": {"WT": 1}}
-_LIB_ENV = {"forward": "MXMOE_CUTLASS_WQ_LIB", "dgrad": "MXMOE_CUTLASS_WQ_DGRAD_LIB"}
+# "w8": design (b) in CUTLASS (VARIANT 4): the weight's MXFP8 copy from a quantize pass
+# (:func:`weight_copy_w8`), codes converted with their E8M0 scales in the mainloop; one
+# build per element format serves forward and dgrad (the pass decides the scale mode)
+OPS = {"forward": {}, "dgrad": {"WT": 1},
+       "w8": {"VARIANT": 4, "TN": 256, "STAGES": 4, "LOOP": 0, "QDQ": 0, "EARLY": 0, "MODE": 0}}
+_LIB_ENV = {"forward": "MXMOE_CUTLASS_WQ_LIB", "dgrad": "MXMOE_CUTLASS_WQ_DGRAD_LIB", "w8": "MXMOE_CUTLASS_W8_LIB"}
+_ENTRY = {"forward": "forward", "dgrad": "forward", "w8": "forward_scaled"}  # the launch entry's suffix
 SCALE_MODES = {"rceil": 0, "floor": 1}
 # design (g) for at most this many tokens per expert on average (measured: 256 per expert
 # 0.90x against (a)'s 0.60x; 1024 about even; 2048 slower)
@@ -115,7 +120,9 @@ def nvcc_path() -> str | None:
 
 
 def _name(fmt: str, mode: str, op: str = "forward") -> str:
-    """The build's NAME for (fmt, mode, op), the prefix of its C entries."""
+    """The build's NAME for (fmt, mode, op), the prefix of its C entries (w8: no mode)."""
+    if op == "w8":
+        return f"g_{fmt}_w8"
     return f"g_{fmt}_{mode}" + ("" if op == "forward" else f"_{op}")
 
 
@@ -138,7 +145,7 @@ def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc
     if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS:
         raise ValueError(f"design (g) builds for formats {sorted(FORMATS)}, scale modes {sorted(SCALE_MODES)} and "
                          f"ops {sorted(OPS)}, got {fmt!r} / {mode!r} / {op!r}")
-    macros = {**BUILD, **OPS[op], "FMT": FORMATS[fmt], "MODE": SCALE_MODES[mode], "NAME": _name(fmt, mode, op)}
+    macros = {**BUILD, "MODE": SCALE_MODES[mode], **OPS[op], "FMT": FORMATS[fmt], "NAME": _name(fmt, mode, op)}
     return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
             f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
             *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out), str(SOURCE)]
@@ -216,8 +223,9 @@ def _compile(path: Path, fmt: str, mode: str, op: str) -> Path:
 
 def _load(path: str, fmt: str, mode: str, op: str = "forward") -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
-    fwd = getattr(lib, symbol(fmt, mode, op=op))  # AttributeError: a library built for other settings
-    fwd.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong, ctypes.c_void_p]
+    fwd = getattr(lib, symbol(fmt, mode, _ENTRY[op], op))  # AttributeError: a library built for other settings
+    n_ptrs = 6 if op == "w8" else 5  # problems, weights, tokens, [scales,] outputs, workspace
+    fwd.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * n_ptrs + [ctypes.c_longlong, ctypes.c_void_p]
     fwd.restype = ctypes.c_int
     ws = getattr(lib, symbol(fmt, mode, "workspace_bytes", op))
     ws.argtypes, ws.restype = [ctypes.c_int], ctypes.c_longlong
@@ -337,6 +345,33 @@ def grouped_mm_nt_wq(xq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor |
     return _run("forward", xq, w, offsets, recipe)
 
 
+def weight_copy_w8(w: Tensor, recipe, op: str) -> tuple[Tensor, Tensor]:
+    """Design (b)'s weight operand for ``op`` ("forward": blocks along K; "dgrad": along N,
+    the codes transposed): codes (E, Nout, Kc) FP8 (K-major for the GEMM: Nout = N, Kc = K
+    for the forward, Nout = K, Kc = N for the dgrad) and scales (E, Kc / 64, Nout) uint16,
+    each the E8M0 bytes of a row's two 32-element blocks of one 64-element k-tile (the first
+    in the low byte). The library's quantizers (``quantize_rowwise`` / ``quantize_colwise``),
+    so the codes and scales are those of design (a)'s pass, bit for bit. w (E, N, K) with Kc
+    a multiple of 64."""
+    from .quantize import quantize_colwise, quantize_rowwise
+
+    fmt, mode = recipe.fmt.value, recipe.scale_mode.value
+    if op == "forward":
+        codes, s = quantize_rowwise(w, fmt, mode)  # (E, N, K), (E, N, K / 32)
+    else:
+        codes, s = quantize_colwise(w, fmt, mode)  # (E, K, N), (E, K, N / 32)
+    s16 = s.view(torch.uint8).view(torch.uint16)  # (E, Nout, Kc / 64): pairs of blocks, the first in the low byte
+    return codes, s16.transpose(1, 2).contiguous()
+
+
+def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, recipe) -> Tensor | None:
+    """out[t] = aq[t] @ dequantize(codes[e], scales[e])^T for the rows t of expert e
+    (design (b) in CUTLASS: the FP8 codes and E8M0 scales of :func:`weight_copy_w8` read from
+    memory and converted in registers); zero rows past offsets[-1]. aq (T, Kc) bfloat16
+    contiguous; returns (T, Nout) bfloat16, or None if the library is not available."""
+    return _run("w8", aq, codes, offsets, recipe, scales)
+
+
 def grouped_mm_nn_wq(dyq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
     """The dgrad: dx[t] = dyq[t] @ Q_N(w[e]) for the rows t of expert e, with Q_N the
     recipe's MX quantize-dequantize of w along N (blocks of 32 along N for each k), done
@@ -360,10 +395,10 @@ def grouped_mm_nn_wq(dyq: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor 
     return _run("dgrad", dyq, w, offsets, recipe)
 
 
-def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | None:
-    """Launch design (g)'s ``op`` on tokens ``a`` (T, contraction) and w (E, N, K): the C
-    entry's weight operand is Nout x Kc per expert (forward: w_e, N x K; dgrad: w_e^T,
-    K x N, the same memory)."""
+def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe, scales: Tensor | None = None) -> Tensor | None:
+    """Launch ``op`` on tokens ``a`` (T, contraction) and w (E, N, K) (w8: the codes (E,
+    Nout, Kc) and ``scales``): the C entry's weight operand is Nout x Kc per expert (forward:
+    w_e, N x K; dgrad: w_e^T, K x N, the same memory)."""
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
     lib = library(fmt, mode, op)
     if lib is None:
@@ -375,7 +410,7 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | Non
     E, N, K = w.shape
     # the weight as the kernel's (Nout, Kc) per expert: a view (group_tables reads the
     # shape and the base address only)
-    w_op = w if op == "forward" else w.transpose(1, 2)
+    w_op = w.transpose(1, 2) if op == "dgrad" else w
     nout, kc = w_op.shape[1], w_op.shape[2]
     with torch.cuda.device(a.device):  # the C entry and the table kernel use the current device
         dev = torch.cuda.current_device()
@@ -385,11 +420,14 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe) -> Tensor | Non
         # per call from this stream's allocator: launches on other streams never share it
         workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=a.device)
         out = torch.empty(T, nout, device=a.device, dtype=torch.bfloat16)
-        problems, pa, pb, pd = group_tables(offsets, w_op, a, out)
+        tables = group_tables(offsets, w_op, a, out, scales)
+        ptrs = [t.data_ptr() for t in tables]
+        if op == "w8":  # problems, pa, pb, ps, pd
+            ptrs = ptrs[:3] + [ptrs[4], ptrs[3]]
         for attempt in range(2):
-            rc = getattr(lib, symbol(fmt, mode, op=op))(E, nout, kc, problems.data_ptr(), pa.data_ptr(),
-                                                        pb.data_ptr(), pd.data_ptr(), workspace.data_ptr(),
-                                                        _WORKSPACE[wkey], torch.cuda.current_stream().cuda_stream)
+            rc = getattr(lib, symbol(fmt, mode, _ENTRY[op], op))(E, nout, kc, *ptrs, workspace.data_ptr(),
+                                                                 _WORKSPACE[wkey],
+                                                                 torch.cuda.current_stream().cuda_stream)
             if rc != 1 or attempt or torch.cuda.is_current_stream_capturing():
                 break
             torch.cuda.empty_cache()  # a shape's stride arrays come from cudaMalloc: free torch's cache, once

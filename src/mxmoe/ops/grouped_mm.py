@@ -112,16 +112,20 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
 
     Returns:
-        (T, K) in dy's dtype; rows past offsets[-1] are zeros.
+        (T, K) in dy's dtype; rows past offsets[-1] are zeros. No autograd graph: this is
+        the backward's computation, not a differentiable op.
 
     Raises:
         TypeError, ValueError: as :func:`mx_grouped_mm` (dy in x's place, with N for K).
+
+    On sm90 with bf16 dy and w and few tokens per expert it runs design (g)
+    (kernels/cutlass_wq.py), as the backward does.
     """
     recipe = get_recipe(recipe)
     if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dy has dtype {dy.dtype}; mx_grouped_mm_dgrad takes float32, bfloat16 or float16")
     if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+        raise TypeError(f"offsets must be int32 or int64 cumulative end rows, got dtype {offsets.dtype}")
     if dy.dim() != 2 or w.dim() != 3 or w.shape[1] != dy.shape[1]:
         raise ValueError(f"expected dy (T, N) and w (E, N, K) with the same N, got {tuple(dy.shape)} and {tuple(w.shape)}")
     if offsets.shape != (w.shape[0],):
@@ -149,7 +153,7 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
         x: (T, K) float32/bfloat16/float16, rows sorted by expert. The GEMMs run in x's
             dtype with float32 accumulation.
         w: (E, N, K) expert weights (any float dtype, usually float32 master weights).
-        offsets: (E,) int32 on x's device: cumulative end row of each expert
+        offsets: (E,) int32 (or int64) on x's device: cumulative end row of each expert
             (non-decreasing, offsets[-1] <= T). Rows past offsets[-1] are ignored.
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
 
@@ -168,7 +172,7 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x has dtype {x.dtype}; mx_grouped_mm takes float32, bfloat16 or float16")
     if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets.dtype}")
+        raise TypeError(f"offsets must be int32 or int64 cumulative end rows, got dtype {offsets.dtype}")
     if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
         raise ValueError(f"expected x (T, K) and w (E, N, K) with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
     if offsets.shape != (w.shape[0],):
