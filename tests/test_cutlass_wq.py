@@ -341,16 +341,16 @@ def test_ctypes_signatures_match_the_c_entries(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", Fake)
     width = {"int": ctypes.c_int, "void*": ctypes.c_void_p, "long long": ctypes.c_longlong}
-    for op in ("forward", "dgrad"):
+    for op in ("forward", "dgrad", "w8"):
         lib = cutlass_wq._load("x.so", "e4m3", "rceil", op)
-        for what in ("forward", "workspace_bytes", "last_error"):
+        for what in (cutlass_wq._ENTRY[op], "workspace_bytes", "last_error"):
             m = re.search(r"CAT\(NAME, _" + what + r"\)\(([^)]*)\)", src)
             assert m, what
             params = [p.strip().rsplit(" ", 1)[0].replace(" *", "*") for p in m.group(1).split(",") if p.strip()]
             fn = getattr(lib, cutlass_wq.symbol("e4m3", "rceil", what, op))
             assert [width[p] for p in params] == list(fn.argtypes), what
-    assert lib.g_e4m3_rceil_dgrad_forward.restype is ctypes.c_int
-    assert lib.g_e4m3_rceil_dgrad_workspace_bytes.restype is ctypes.c_longlong
+        assert getattr(lib, cutlass_wq.symbol("e4m3", "rceil", cutlass_wq._ENTRY[op], op)).restype is ctypes.c_int
+        assert getattr(lib, cutlass_wq.symbol("e4m3", "rceil", "workspace_bytes", op)).restype is ctypes.c_longlong
 
 
 def test_processes_needing_one_build_take_turns(tmp_path):
@@ -403,3 +403,47 @@ def test_processes_needing_one_build_take_turns(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, outs
     assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith(".so")
     assert runs.read_text() == "x"  # one compile
+
+
+def test_design_b_weight_copy_and_tables():
+    """weight_copy_w8: the codes of the library's quantizers (forward: along K, (E, N, K);
+    dgrad: along N, transposed, (E, K, N)) and the E8M0 scales packed two per uint16 (the
+    k-tile's first 32-element block in the low byte), (E, Kc / 64, Nout): dequantized by
+    that rule they give design (a)'s values exactly. group_tables with the codes (1-byte
+    elements) and the scales gives their per-expert addresses."""
+    from mxmoe.kernels.group_tables import group_tables
+    from mxmoe.ops.quantize import fake_quantize
+
+    torch.manual_seed(0)
+    w = (torch.randn(3, 128, 192) * torch.exp2(torch.randint(-20, 20, (3, 128, 1)).float())).to(torch.bfloat16)
+    w[1, 5, 7] = float("inf")
+    for name in ("mxfp8", "mxfp8-floor"):
+        r = get_recipe(name)
+        for op, dim in (("forward", 2), ("dgrad", 1)):
+            codes, s = cutlass_wq.weight_copy_w8(w, r, op)
+            E, nout, kc = codes.shape
+            assert (nout, kc) == ((128, 192) if op == "forward" else (192, 128))
+            assert s.dtype == torch.uint16 and s.shape == (E, kc // 64, nout) and s.is_contiguous()
+            b = s.view(torch.uint8).view(E, kc // 64, nout, 2).permute(0, 2, 1, 3).reshape(E, nout, kc // 32)
+            scale = torch.where(b == 255, torch.nan, torch.exp2(b.float() - 127)).repeat_interleave(32, dim=2)
+            got = (codes.float() * scale).to(torch.bfloat16)
+            want = fake_quantize(w, r, dim=dim, out_dtype=torch.bfloat16)
+            want = want if op == "forward" else want.transpose(1, 2)
+            assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~got.isnan()])
+            assert torch.equal(got.isnan(), want.isnan())
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    a, out = torch.zeros(40, kc, dtype=torch.bfloat16), torch.zeros(40, nout, dtype=torch.bfloat16)
+    problems, pa, pb, pd, ps = group_tables(offs, codes, a, out, s)
+    assert problems.tolist() == [[nout, n, kc] for n in (10, 0, 30)]
+    assert pa.tolist() == [codes[e].data_ptr() for e in range(3)] and ps.tolist() == [s[e].data_ptr() for e in range(3)]
+    assert pb.tolist() == [a[i].data_ptr() for i in (0, 10, 10)] and pd.tolist() == [out[i].data_ptr() for i in (0, 10, 10)]
+
+
+def test_design_b_build_is_one_per_format():
+    """The w8 build (VARIANT 4, 128 x 256 tiles) ignores the scale mode (the pass applies
+    it): rceil and floor share one library."""
+    a = cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", op="w8")
+    b = cutlass_wq.build_command("e4m3", "floor", "/tmp/x.so", op="w8")
+    assert a == b and "-DVARIANT=4" in a and "-DTN=256" in a and "-DNAME=g_e4m3_w8" in a
+    assert cutlass_wq.cached_path("e4m3", "rceil", "w8") == cutlass_wq.cached_path("e4m3", "floor", "w8")
+    assert cutlass_wq.symbol("e5m2", "floor", cutlass_wq._ENTRY["w8"], "w8") == "g_e5m2_w8_forward_scaled"

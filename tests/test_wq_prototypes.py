@@ -410,3 +410,50 @@ def test_design_g_code_bits_in_bf16_positions_read_as_value_times_power_of_two(f
     mag = _bf16((y8 >> _const("kShift", fmt)) & (_const("kMagMask", fmt) & 0xFFFF))
     got = torch.where((y8 & 0x8000) != 0, -mag, mag) * 2.0 ** (127 - bias)
     assert torch.equal(got[finite], val[finite])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_design_b_cutlass_decode_matches_the_reference_for_every_scale_and_code(fmt):
+    """Design (b) in CUTLASS (cutlass_wq.cu VARIANT 4): e8m0_row_scale and the decode as
+    written in the source, for every E8M0 scale byte (0..255, 255 = NaN) and every code of
+    the format, against the reference dequantization (code value * 2^(s - 127), rounded to
+    bf16 as design (a)'s pass writes it). Both paths: the bf16x2 one wherever the kernel may
+    take it (subnormal results of its multiply modelled as flushed), the float32 one for
+    every row (a warp with one slow row takes it for all its rows, non-finite ones included);
+    and the k-block's byte of the packed pair (low for k-blocks 0-1, high for 2-3)."""
+    from mxmoe.numerics.formats import ElemFormat
+    from mxmoe.numerics.reference import torch_dequantize_blocks
+
+    body = _body("e8m0_row_scale")
+    assert "const bool nf = s == 0xFFu;" in body
+    assert "r.sc2 = nf ? 0x7FC07FC0u : (s << 7) * 0x10001u;" in body
+    assert "uint32_t b = s << 23;" in body and "if (s == 0u) b = 0x400000u;" in body
+    assert "if (nf) b = 0x7FC00000u;" in body
+    kfast = _const("kFastMin", fmt)
+    c = _int(r"r\.slow = int\(s\) - (\d+) < kFastMin && !nf;", body)
+    src = _src()
+    spec = src[src.index("#else  // VARIANT 4"):]
+    assert "const int shift = (k_block & 2) ? 8 : 0;" in spec
+    assert "e8m0_row_scale((uint32_t(scales(0)) >> shift) & 0xFFu)" in spec
+    assert "e8m0_row_scale((uint32_t(scales(2)) >> shift) & 0xFFu)" in spec
+    assert "if (__any_sync(0xFFFFFFFFu, r0.slow || r1.slow)) {" in spec
+    assert "q[i] = mxq::decode_slow(h[i], (i & 1) ? r1.sc : r0.sc);" in spec
+    assert "q[i] = mxq::decode_bf16(h[i], (i & 1) ? r1.sc2 : r0.sc2);" in spec
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    s = torch.arange(256, dtype=torch.int64)[:, None].expand(256, 256)
+    code = torch.arange(256, dtype=torch.int64)[None, :].expand(256, 256)
+    y = code.to(torch.uint8).view(dt).to(torch.float64)
+    want = torch_dequantize_blocks(code.reshape(1, -1, 1, 1).to(torch.uint8).view(dt), s.reshape(1, -1, 1, 1).to(torch.uint8),
+                                   ElemFormat(fmt)).reshape(256, 256).to(torch.float64)
+    want = _rn_bf16(want)
+    nf = s == 255
+    sc2 = torch.where(nf, torch.nan, _bf16((s << 7) & 0xFFFF))
+    fast = _ftz(_rn_bf16(_rn_bf16(y) * sc2))
+    bits = torch.where(s == 0, 0x400000, s << 23)
+    bits = torch.where(nf, 0x7FC00000, bits)
+    slow = _rn_bf16((y.to(torch.float32) * bits.to(torch.int32).view(torch.float32)).to(torch.float64))
+    slow_row = (s - c < kfast) & ~nf
+    for got, where, what in ((fast, ~slow_row, "bf16x2 path"), (slow, torch.ones_like(nf), "float32 path")):
+        bad = ~_same(got, want) & where
+        assert not bad.any(), (f"{what}: {int(bad.sum())} (scale, code) pairs differ, first scale "
+                               f"{int(s[bad][0])} code {hex(int(code[bad][0]))}: {got[bad][0]} vs {want[bad][0]}")
