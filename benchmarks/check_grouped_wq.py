@@ -128,6 +128,7 @@ def main() -> int:
     case("rows past the last offset are NaN", [100, 0, 250], 1024, 128, pad=77)
     case("E5M2 recipe", [200, 0, 300, 57], 1408, 128, recipe=get_recipe("mxfp8", fmt="e5m2"))
     case("floor scales", [200, 0, 300, 57], 1408, 128, recipe="mxfp8-floor")
+    case("E5M2 with floor scales", [200, 0, 300, 57], 1408, 128, recipe=get_recipe("mxfp8-floor", fmt="e5m2"))
     case("K=40 (one partial k-tile)", [100, 0, 257, 31], 40, 64)
     case("N=40 (the dgrad's partial k-tile)", [100, 0, 257, 31], 64, 40)
     case("K=8", [50, 70], 8, 16)

@@ -440,10 +440,10 @@ def test_design_b_weight_copy_and_tables():
 
 
 def test_design_b_build_is_one_per_format():
-    """The w8 build (VARIANT 4, 128 x 256 tiles) ignores the scale mode (the pass applies
+    """The w8 build (VARIANT 4, 128 x 256 tiles, 2-CTA clusters) ignores the scale mode (the pass applies
     it): rceil and floor share one library."""
     a = cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", op="w8")
     b = cutlass_wq.build_command("e4m3", "floor", "/tmp/x.so", op="w8")
-    assert a == b and "-DVARIANT=4" in a and "-DTN=256" in a and "-DNAME=g_e4m3_w8" in a
+    assert a == b and "-DVARIANT=4" in a and "-DTN=256" in a and "-DCM=2" in a and "-DNAME=g_e4m3_w8" in a
     assert cutlass_wq.cached_path("e4m3", "rceil", "w8") == cutlass_wq.cached_path("e4m3", "floor", "w8")
     assert cutlass_wq.symbol("e5m2", "floor", cutlass_wq._ENTRY["w8"], "w8") == "g_e5m2_w8_forward_scaled"

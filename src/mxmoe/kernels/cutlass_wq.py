@@ -41,6 +41,12 @@ names one library built before (:func:`build_command`) instead (the forward's; t
 fails (a warning says why, once), design (a) runs: the same values. ``MXMOE_GROUPED_WQ=0``
 turns design (g) off. The wgrad stays design (a)'s.
 
+Design (b) in CUTLASS (VARIANT 4, op "w8"; session 15): the weight's MXFP8 copy from the
+library's quantizers (:func:`weight_copy_w8`: FP8 codes, E8M0 scales packed two per uint16)
+converted in the same mainloop (:func:`grouped_mm_w8`). Bit-equal to design (a) on the H200,
+its GEMM 0.99-1.09x bf16, but per call (with its weight pass) no faster than design (a):
+``mx_grouped_mm`` does not call it (benchmarks/cutlass_w8.py).
+
 Untested on anything but the H200 (sm90a code: it does not run on sm100).
 """
 
@@ -72,7 +78,7 @@ FORMATS = {"e4m3": 0, "e5m2": 1}
 # (:func:`weight_copy_w8`), codes converted with their E8M0 scales in the mainloop; one
 # build per element format serves forward and dgrad (the pass decides the scale mode)
 OPS = {"forward": {}, "dgrad": {"WT": 1},
-       "w8": {"VARIANT": 4, "TN": 256, "STAGES": 4, "LOOP": 0, "QDQ": 0, "EARLY": 0, "MODE": 0}}
+       "w8": {"VARIANT": 4, "TN": 256, "CM": 2, "STAGES": 4, "LOOP": 0, "QDQ": 0, "EARLY": 0, "MODE": 0}}
 _LIB_ENV = {"forward": "MXMOE_CUTLASS_WQ_LIB", "dgrad": "MXMOE_CUTLASS_WQ_DGRAD_LIB", "w8": "MXMOE_CUTLASS_W8_LIB"}
 _ENTRY = {"forward": "forward", "dgrad": "forward", "w8": "forward_scaled"}  # the launch entry's suffix
 SCALE_MODES = {"rceil": 0, "floor": 1}

@@ -132,9 +132,10 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
         raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
     if not (dy.device == w.device == offsets.device):
         raise ValueError(f"dy, w and offsets must be on one device, got {dy.device}, {w.device}, {offsets.device}")
-    if recipe.quantize and use_native_mx_grouped_mm(dy.device, recipe):
-        return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
-    return _dgrad(dy.contiguous(), w, offsets, recipe)
+    with torch.no_grad():  # the backward's computation: no graph for any recipe
+        if recipe.quantize and use_native_mx_grouped_mm(dy.device, recipe):
+            return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
+        return _dgrad(dy.contiguous(), w, offsets, recipe)
 
 
 # torch.compile runs our MXFP8 autograd Functions eagerly, a graph break on each side (the
