@@ -2,14 +2,15 @@
 # H200 sessions (issue 4, session 15 on): design (g) in the library, the forward and the dgrad
 # (mxmoe/kernels/cutlass_wq.py). Part "check": benchmarks/check_grouped_wq.py (every edge case
 # bit for bit against design (a), and the per-call ratios of both at the issue's shapes);
-# part "gemm": benchmarks/grouped_gemm.py --no-torchao (the issue's table); "all": both.
+# part "gemm": benchmarks/grouped_gemm.py --no-torchao (the issue's table); part "w8":
+# benchmarks/cutlass_w8.py (design (b) in CUTLASS, measured, not dispatched); "all": the three.
 # The builds come from the cache folder MXMOE_CACHE_DIR (default .whl/cache, carried; fill it
 # on a machine with nvcc and CUTLASS 4.2's headers: python -c "from mxmoe.kernels import
 # cutlass_wq as c; c._build('e4m3', 'rceil', 'dgrad')" and so on for e5m2 / floor and the forward).
-# Usage (repo root): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_design_g.sh [check|gemm|all]
+# Usage (repo root): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_design_g.sh [check|gemm|w8|all]
 set -u
 PART=${1:-all}
-case "$PART" in check|gemm|all) ;; *) echo "unknown part '$PART': use check, gemm or all" >&2; exit 2;; esac
+case "$PART" in check|gemm|w8|all) ;; *) echo "unknown part '$PART': use check, gemm, w8 or all" >&2; exit 2;; esac
 if ! PYTHONPATH=src python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "no CUDA device: this script runs on the H200" >&2; exit 2
 fi
@@ -17,11 +18,15 @@ OUT_DEFAULT=/tmp/h200_design_g LOG_NAME=design_g_$PART.log
 . "$(dirname "$0")/h200_session.sh"
 export PYTHONPATH=benchmarks:$PYTHONPATH MXMOE_CACHE_DIR=${MXMOE_CACHE_DIR:-.whl/cache}
 ls "$MXMOE_CACHE_DIR" | tee -a "$LOG"
-if [ "$PART" != gemm ]; then
+if [ "$PART" = check ] || [ "$PART" = all ]; then
   run 400 python3 benchmarks/check_grouped_wq.py --out "$OUT/check_grouped_wq.json"
   grep -vE "^\s*$" "$LOG" | cut -c1-220 | tail -60
 fi
-if [ "$PART" != check ]; then
+if [ "$PART" = gemm ] || [ "$PART" = all ]; then
   run 400 python3 benchmarks/grouped_gemm.py --no-torchao --out "$OUT/grouped_gemm.json"
   grep -E "summary|T=|mx (fwd|dgrad)|bf16 (fwd|dgrad)" "$LOG" | tail -40
+fi
+if [ "$PART" = w8 ] || [ "$PART" = all ]; then
+  run 300 python3 benchmarks/cutlass_w8.py --out "$OUT/cutlass_w8.json"
+  grep -E "FAIL|T=|: \(a\)|: \(b\) w8 " "$LOG" | tail -30
 fi
