@@ -11,7 +11,7 @@
 set -u
 PART=${1:-all}
 case "$PART" in check|gemm|w8|all) ;; *) echo "unknown part '$PART': use check, gemm, w8 or all" >&2; exit 2;; esac
-if ! PYTHONPATH=src python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! PYTHONPATH=src python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "no CUDA device: this script runs on the H200" >&2; exit 2
 fi
 OUT_DEFAULT=/tmp/h200_design_g LOG_NAME=design_g_$PART.log

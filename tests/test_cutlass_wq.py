@@ -447,3 +447,116 @@ def test_design_b_build_is_one_per_format():
     assert a == b and "-DVARIANT=4" in a and "-DTN=256" in a and "-DCM=2" in a and "-DNAME=g_e4m3_w8" in a
     assert cutlass_wq.cached_path("e4m3", "rceil", "w8") == cutlass_wq.cached_path("e4m3", "floor", "w8")
     assert cutlass_wq.symbol("e5m2", "floor", cutlass_wq._ENTRY["w8"], "w8") == "g_e5m2_w8_forward_scaled"
+
+
+def _fake_toolchain(tmp_path, fail: bool):
+    """A fake nvcc (counts its runs in tmp_path/runs; waits for tmp_path/go; fails if
+    ``fail``, else writes its -o file) and CUTLASS headers; returns the environment."""
+    import os
+    import sys
+    import textwrap
+
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, sys, time
+        open({str(tmp_path / 'runs')!r}, 'a').write('x')
+        t = time.time()
+        while not os.path.exists({str(tmp_path / 'go')!r}) and time.time() - t < 60:
+            time.sleep(0.05)
+        if {fail!r}:
+            sys.stderr.write('fake nvcc: error here')
+            sys.exit(3)
+        open(sys.argv[sys.argv.index('-o') + 1], 'wb').write(b'lib')
+    """))
+    nvcc.chmod(0o755)
+    (tmp_path / "cutlass" / "include" / "cutlass").mkdir(parents=True)
+    (tmp_path / "cutlass" / "include" / "cutlass" / "cutlass.h").write_text("")
+    return {**os.environ, "MXMOE_CACHE_DIR": str(tmp_path / "cache"), "MXMOE_NVCC": str(nvcc),
+            "MXMOE_CUTLASS_DIR": str(tmp_path / "cutlass")}
+
+
+def test_a_failed_build_is_not_repeated_by_the_processes_that_waited(tmp_path):
+    """The lock holder's nvcc fails: the process waiting on the lock reports that failure
+    (nvcc's message) instead of compiling again; the lock file is open to every user."""
+    import subprocess
+    import sys
+    import time
+
+    env = _fake_toolchain(tmp_path, fail=True)
+    code = "from mxmoe.kernels import cutlass_wq as c; c._build('e4m3', 'rceil')"
+    first = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    t0 = time.time()
+    while not (tmp_path / "runs").exists():
+        assert time.time() - t0 < 120 and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    second = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    for line in second.stderr:
+        if "waiting for another process's build" in line:
+            break
+    (tmp_path / "go").write_text("")
+    errs = [first.communicate(timeout=120)[1], second.communicate(timeout=120)[1]]
+    assert first.returncode != 0 and second.returncode != 0
+    assert "nvcc failed (3): fake nvcc: error here" in errs[0]
+    assert "another process's build failed" in errs[1] and "fake nvcc: error here" in errs[1]
+    assert (tmp_path / "runs").read_text() == "x"  # one compile
+    locks = list((tmp_path / "cache").glob("*.lock"))
+    assert len(locks) == 1 and locks[0].stat().st_mode & 0o777 == 0o666
+
+
+def test_without_flock_each_process_compiles(monkeypatch, tmp_path):
+    """A file system without flock (ENOLCK): the build runs without the lock."""
+    import errno
+    import fcntl
+
+    for k, v in _fake_toolchain(tmp_path, fail=False).items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "go").write_text("")
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "no locks here")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    path = cutlass_wq._build("e4m3", "rceil", "dgrad")
+    assert path.exists() and path.read_bytes() == b"lib" and (tmp_path / "runs").read_text() == "x"
+
+
+def test_design_b_arguments_are_checked():
+    """grouped_mm_w8 and weight_copy_w8 refuse operands they were not made for (a wrong
+    element size or shape would make the kernel read or write outside them)."""
+    r = get_recipe("mxfp8")
+    w = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    codes, s = cutlass_wq.weight_copy_w8(w, r, "forward")
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        cutlass_wq.grouped_mm_w8(torch.zeros(8, 128, dtype=torch.bfloat16), codes, s, offs, r)
+    with pytest.raises(ValueError, match="aq must be bfloat16"):
+        cutlass_wq.grouped_mm_w8(torch.zeros(8, 128), codes, s, offs, r)
+    with pytest.raises(ValueError, match="aq must be bfloat16"):
+        cutlass_wq.grouped_mm_w8(torch.zeros(8, 64, dtype=torch.bfloat16), codes, s, offs, r)
+    with pytest.raises(ValueError, match="codes must be torch.float8_e5m2"):
+        cutlass_wq.grouped_mm_w8(torch.zeros(8, 128, dtype=torch.bfloat16), codes, s, offs,
+                                 get_recipe("mxfp8", fmt="e5m2"))
+    with pytest.raises(ValueError, match="scales must be uint16"):
+        cutlass_wq.grouped_mm_w8(torch.zeros(8, 128, dtype=torch.bfloat16), codes, s.transpose(1, 2), offs, r)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cutlass_wq.weight_copy_w8(torch.randn(2, 64, 96, dtype=torch.bfloat16), r, "forward")
+    with pytest.raises(ValueError, match="N = 32"):
+        cutlass_wq.weight_copy_w8(torch.randn(2, 32, 128, dtype=torch.bfloat16), r, "dgrad")
+    with pytest.raises(ValueError, match="'forward'.*'dgrad'"):
+        cutlass_wq.weight_copy_w8(w, r, "wgrad")
+
+
+def test_design_b_missing_library_warns_once_per_format(monkeypatch, tmp_path):
+    """w8 (not dispatched) warns that grouped_mm_w8 returns None, once per format (its one
+    build serves both scale modes)."""
+    monkeypatch.setenv("MXMOE_CUTLASS_W8_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(cutlass_wq, "_FAILED", {})
+    monkeypatch.setattr(cutlass_wq, "_LIBS", {})
+    with pytest.warns(RuntimeWarning, match="design \\(b\\) in CUTLASS.*returns None"):
+        assert cutlass_wq.library("e4m3", "rceil", "w8") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cutlass_wq.library("e4m3", "floor", "w8") is None

@@ -37,15 +37,17 @@ source and the build settings (:func:`cached_path`; a filled cache folder can be
 another machine); ``MXMOE_NVCC_FLAGS`` adds flags (not hashed: e.g. ``-L<dir>`` where nvcc
 does not find ``libcudart_static.a``, as with the CUDA wheels); ``MXMOE_CUTLASS_WQ_LIB``
 names one library built before (:func:`build_command`) instead (the forward's; the dgrad's is
-``MXMOE_CUTLASS_WQ_DGRAD_LIB``). Without a toolkit, headers or an sm90 GPU, or when the build
+``MXMOE_CUTLASS_WQ_DGRAD_LIB``, design (b)'s ``MXMOE_CUTLASS_W8_LIB``). Without a toolkit, headers or an sm90 GPU, or when the build
 fails (a warning says why, once), design (a) runs: the same values. ``MXMOE_GROUPED_WQ=0``
 turns design (g) off. The wgrad stays design (a)'s.
 
 Design (b) in CUTLASS (VARIANT 4, op "w8"; session 15): the weight's MXFP8 copy from the
 library's quantizers (:func:`weight_copy_w8`: FP8 codes, E8M0 scales packed two per uint16)
 converted in the same mainloop (:func:`grouped_mm_w8`). Bit-equal to design (a) on the H200,
-its GEMM 0.99-1.09x bf16, but per call (with its weight pass) no faster than design (a):
-``mx_grouped_mm`` does not call it (benchmarks/cutlass_w8.py).
+its GEMM 0.99-1.09x bf16; per call (with its weight pass) within a few percent of design (a)
+(2.5% ahead at (65536, 7168, 2048, 64), 1-2% behind at E = 16) and far behind design (g)
+where that runs, below 0.85x wherever (a) and (g) are: ``mx_grouped_mm`` does not call it
+(benchmarks/cutlass_w8.py).
 
 Untested on anything but the H200 (sm90a code: it does not run on sm100).
 """
@@ -60,6 +62,7 @@ import shutil
 import sys
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -133,8 +136,9 @@ def _name(fmt: str, mode: str, op: str = "forward") -> str:
 
 
 def symbol(fmt: str, mode: str, what: str = "forward", op: str = "forward") -> str:
-    """A C entry of the build for (fmt, mode, op): ``g_<fmt>_<mode>[_dgrad]_<what>``
-    (``what``: forward (the launch, for either op), workspace_bytes, last_error)."""
+    """A C entry of the build for (fmt, mode, op): ``g_<fmt>_<mode>[_dgrad]_<what>``, for w8
+    ``g_<fmt>_w8_<what>`` (``what``: the launch, ``_ENTRY[op]`` (forward, or forward_scaled
+    for w8), workspace_bytes, last_error)."""
     return f"{_name(fmt, mode, op)}_{what}"
 
 
@@ -174,33 +178,51 @@ def _build(fmt: str, mode: str, op: str = "forward") -> Path:
     """The cached library for (fmt, mode, op), compiled now if missing (atomically renamed
     into the cache, so a crash leaves no partial file). Processes that need the same build
     at once (the ranks of one node) take turns on a lock file beside it: the first compiles,
-    the others then find the file."""
+    the others wait and then load its file, or, if its compile failed while they waited,
+    raise its error instead of compiling again (its nvcc output is kept in ``<name>.failed``
+    until a later build succeeds). Where the folder cannot be locked (no flock, a lock file
+    that cannot be opened), each process compiles on its own."""
     path = cached_path(fmt, mode, op)
     if path.exists():
         return path
     if nvcc_path() is None or cutlass_dir() is None:
         return _compile(path, fmt, mode, op)  # raises, naming what is missing: no lock to wait for
     path.parent.mkdir(parents=True, exist_ok=True)
-    import fcntl
-
-    fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o666)
+    failed = path.with_suffix(".failed")
     try:
+        import fcntl
+
+        fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDONLY, 0o666)  # flock needs no write access
+    except (ImportError, OSError):
+        return _compile(path, fmt, mode, op, failed)
+    try:
+        try:
+            os.fchmod(fd, 0o666)  # the umask's 0644 would keep other users of a shared cache out
+        except OSError:
+            pass  # someone else's lock file: it is theirs to open for everyone
+        waited_since = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            waited_since = time.time()
             print(f"mxmoe: waiting for another process's build of design (g) ({op}) for {fmt} / {mode} ({path})",
                   file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock
+            return _compile(path, fmt, mode, op, failed)
         if path.exists():  # built by the process that held the lock
             return path
-        return _compile(path, fmt, mode, op)
+        if waited_since is not None and failed.exists() and failed.stat().st_mtime >= waited_since - 1:
+            raise RuntimeError(f"another process's build failed ({failed}): {failed.read_text(errors='replace')}")
+        return _compile(path, fmt, mode, op, failed)
     finally:
         os.close(fd)  # releases the lock
 
 
-def _compile(path: Path, fmt: str, mode: str, op: str) -> Path:
+def _compile(path: Path, fmt: str, mode: str, op: str, failed: Path | None = None) -> Path:
     """Compile the build for (fmt, mode, op) into ``path`` (through a temporary file in its
-    folder, renamed when complete)."""
+    folder, renamed when complete); an nvcc failure is also written to ``failed`` (for the
+    processes waiting on the lock), which a success removes."""
     nvcc, cutlass = nvcc_path(), cutlass_dir()
     if nvcc is None:
         raise RuntimeError("nvcc not found (MXMOE_NVCC, the PATH or $CUDA_HOME/bin; CUDA >= 12.8)")
@@ -218,9 +240,17 @@ def _compile(path: Path, fmt: str, mode: str, op: str) -> Path:
         res = subprocess.run(build_command(fmt, mode, tmp, nvcc, cutlass, op) + extra, capture_output=True, text=True,
                              errors="replace")
         if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+            msg = f"nvcc failed ({res.returncode}): {res.stderr.strip()[-2000:]}"
+            if failed is not None:
+                try:
+                    failed.write_text(msg)
+                except OSError:
+                    pass
+            raise RuntimeError(msg)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, path)
+        if failed is not None:
+            failed.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -256,18 +286,28 @@ def _user_stacklevel() -> int:
 def _give_up(key: tuple[str, str, str], why: str) -> None:
     """Design (g) off for this (format, mode, op) in this process, with one warning."""
     _FAILED[key] = why
+    if key[2] == "w8":  # not dispatched: its caller gets None
+        warnings.warn(f"mxmoe: design (b) in CUTLASS (w8) is not available for {key[0]} ({why}); grouped_mm_w8 "
+                      f"returns None", RuntimeWarning, stacklevel=_user_stacklevel())
+        return
     warnings.warn(f"mxmoe: design (g) (the weight quantized inside the grouped GEMM) is not available for the "
                   f"{key[2]} in {key[0]} / {key[1]} ({why}); it quantizes the weight in a pass instead (design (a), "
                   f"the same values; MXMOE_GROUPED_WQ=0 turns design (g) off without this warning)", RuntimeWarning,
                   stacklevel=_user_stacklevel())
 
 
+def _key(fmt: str, mode: str, op: str) -> tuple[str, str, str]:
+    """The key of a build in _LIBS / _FAILED: w8's one build serves both scale modes."""
+    return (fmt, "*" if op == "w8" else mode, op)
+
+
 def library(fmt: str, mode: str, op: str = "forward") -> ctypes.CDLL | None:
     """The loaded design (g) library for (fmt, mode, op): ``MXMOE_CUTLASS_WQ_LIB`` (forward)
-    / ``MXMOE_CUTLASS_WQ_DGRAD_LIB`` (dgrad) if set, else the cached build (compiled on first
-    use; a cached file that does not load is deleted and built once more). None if that
-    fails (warned once per format, mode and op; design (a) runs instead)."""
-    key = (fmt, mode, op)
+    / ``MXMOE_CUTLASS_WQ_DGRAD_LIB`` (dgrad) / ``MXMOE_CUTLASS_W8_LIB`` (w8, design (b)) if
+    set, else the cached build (compiled on first use; a cached file that does not load is
+    deleted and built once more). None if that fails (warned once per format, mode and op,
+    once per format for w8; design (a) runs instead)."""
+    key = _key(fmt, mode, op)
     if key in _FAILED:  # first: a library that failed at run time stays off
         return None
     if key in _LIBS:
@@ -306,7 +346,7 @@ def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, 
     if not (enabled() and recipe.quantize and recipe.block_size == 32 and dtypes_bf16 and contiguous):
         return False
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
-    if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS or (fmt, mode, op) in _FAILED:
+    if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS or _key(fmt, mode, op) in _FAILED:
         return False
     (T, K), (E, N, _) = x_shape, w_shape
     if min(T, K, N, E) <= 0 or K % _ALIGN or N % _ALIGN or w_ptr % 16 or T > MAX_TOKENS_PER_EXPERT * E:
@@ -361,6 +401,14 @@ def weight_copy_w8(w: Tensor, recipe, op: str) -> tuple[Tensor, Tensor]:
     a multiple of 64."""
     from .quantize import quantize_colwise, quantize_rowwise
 
+    if op not in ("forward", "dgrad"):
+        raise ValueError(f"op must be 'forward' (blocks along K) or 'dgrad' (along N), got {op!r}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be (E, N, K), got shape {tuple(w.shape)}")
+    kc = w.shape[2] if op == "forward" else w.shape[1]
+    if kc <= 0 or kc % 64:
+        raise ValueError(f"the {op}'s contraction ({'K' if op == 'forward' else 'N'} = {kc}) must be a positive "
+                         f"multiple of 64 (design (b) packs the scales of a 64-element k-tile in one uint16)")
     fmt, mode = recipe.fmt.value, recipe.scale_mode.value
     if op == "forward":
         codes, s = quantize_rowwise(w, fmt, mode)  # (E, N, K), (E, N, K / 32)
@@ -374,7 +422,39 @@ def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, re
     """out[t] = aq[t] @ dequantize(codes[e], scales[e])^T for the rows t of expert e
     (design (b) in CUTLASS: the FP8 codes and E8M0 scales of :func:`weight_copy_w8` read from
     memory and converted in registers); zero rows past offsets[-1]. aq (T, Kc) bfloat16
-    contiguous; returns (T, Nout) bfloat16, or None if the library is not available."""
+    contiguous; returns (T, Nout) bfloat16, or None if the library is not available.
+
+    Raises:
+        ValueError: operands not as :func:`weight_copy_w8` makes them for ``recipe`` and
+            ``aq``: aq (T, Kc) bfloat16 contiguous, codes (E, Nout, Kc) contiguous in the
+            recipe's FP8 dtype, scales (E, Kc / 64, Nout) uint16 contiguous, Kc a positive
+            multiple of 64, Nout a multiple of 8, all on one CUDA device; or under CUDA-graph
+            capture before the shape ran once (its first call allocates).
+    """
+    fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(recipe.fmt.value)
+    if codes.dim() != 3 or aq.dim() != 2:
+        raise ValueError(f"expected aq (T, Kc) and codes (E, Nout, Kc), got {tuple(aq.shape)} and {tuple(codes.shape)}")
+    E, nout, kc = codes.shape
+    problems = []
+    if aq.dtype != torch.bfloat16 or not aq.is_contiguous() or aq.shape[1] != kc:
+        problems.append(f"aq must be bfloat16 contiguous (T, {kc}), got {aq.dtype} {tuple(aq.shape)}")
+    if codes.dtype != fp8 or not codes.is_contiguous():
+        problems.append(f"codes must be {fp8} contiguous for {recipe.fmt.value}, got {codes.dtype}")
+    if scales.dtype != torch.uint16 or not scales.is_contiguous() or tuple(scales.shape) != (E, kc // 64, nout):
+        problems.append(f"scales must be uint16 contiguous ({E}, {kc // 64}, {nout}), got {scales.dtype} "
+                        f"{tuple(scales.shape)}")
+    if kc <= 0 or kc % 64 or nout % 8:
+        problems.append(f"Kc = {kc} must be a positive multiple of 64 and Nout = {nout} a multiple of 8")
+    if not (aq.is_cuda and aq.device == codes.device == scales.device == offsets.device):
+        problems.append("aq, codes, scales and offsets must be on one CUDA device")
+    if problems:
+        raise ValueError("grouped_mm_w8: " + "; ".join(problems))
+    if aq.shape[0] == 0 or E == 0:
+        return torch.zeros(aq.shape[0], nout, device=aq.device, dtype=torch.bfloat16)
+    dev = aq.device.index if aq.device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing() and \
+            (dev, recipe.fmt.value, recipe.scale_mode.value, "w8", E, nout, kc) not in _SHAPES:
+        raise ValueError("grouped_mm_w8: run this shape once before CUDA-graph capture (its first call allocates)")
     return _run("w8", aq, codes, offsets, recipe, scales)
 
 
@@ -442,7 +522,7 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe, scales: Tensor 
                 5: "workspace too small"}.get(rc, "unknown")
         if rc in (1, 4):  # the CUDA error behind it (the C entry records those two)
             what += f": {getattr(lib, symbol(fmt, mode, 'last_error', op))().decode()}"
-        _give_up((fmt, mode, op), f"code {rc}, {what}, for E={E} N={N} K={K}")
+        _give_up(_key(fmt, mode, op), f"code {rc}, {what}, for E={E} N={N} K={K}")
         return None
     _SHAPES.add((dev, fmt, mode, op, E, N, K))
     return zero_rows_past_end(out, offsets)
