@@ -196,8 +196,13 @@ def main() -> int:
         for k in t:
             print(f"  {k:44s} {row['us'][k]:9.1f} us {row['x bf16'][k]:7.3f}x")
     os.environ["MXMOE_GROUPED_WQ"] = "1"
-    if args.out:
-        with open(args.out, "w") as f:
+    return write_and_report(args.out, info, checks, rows)
+
+
+def write_and_report(out: str | None, info: dict, checks: dict, rows: list) -> int:
+    """Write the JSON result (if ``out``), print each failed check; exit status 1 if any."""
+    if out:
+        with open(out, "w") as f:
             json.dump({"info": info, "checks": checks, "rows": rows}, f, indent=1)
     failed = [k for k, v in checks.items() if not v["ok"]]
     for k in failed:

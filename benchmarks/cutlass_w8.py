@@ -31,6 +31,7 @@ def main() -> int:
         print("no CUDA device: this benchmark runs on the H200", file=sys.stderr)
         return 2
     import triton
+    from check_grouped_wq import write_and_report
     from grouped_gemm import SHAPES, SKEWED, group_sizes
     from quantize import bench
     from wq_kernels_bench import special_weight
@@ -139,13 +140,7 @@ def main() -> int:
             print(f"  {k:30s} {row['us'][k]:9.1f} us {row['x bf16'].get(k, float('nan')):7.3f}x", flush=True)
         del x, w, dy, cf, sf, cd, sd, xq, dyq
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"info": info, "checks": checks, "rows": rows}, f, indent=1)
-    failed = [k for k, v in checks.items() if not v["ok"]]
-    for k in failed:
-        print(f"FAIL {k}: {checks[k]}")
-    return 1 if failed else 0
+    return write_and_report(args.out, info, checks, rows)
 
 
 if __name__ == "__main__":

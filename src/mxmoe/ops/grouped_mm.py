@@ -122,16 +122,7 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     (kernels/cutlass_wq.py), as the backward does.
     """
     recipe = get_recipe(recipe)
-    if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dy has dtype {dy.dtype}; mx_grouped_mm_dgrad takes float32, bfloat16 or float16")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be int32 or int64 cumulative end rows, got dtype {offsets.dtype}")
-    if dy.dim() != 2 or w.dim() != 3 or w.shape[1] != dy.shape[1]:
-        raise ValueError(f"expected dy (T, N) and w (E, N, K) with the same N, got {tuple(dy.shape)} and {tuple(w.shape)}")
-    if offsets.shape != (w.shape[0],):
-        raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
-    if not (dy.device == w.device == offsets.device):
-        raise ValueError(f"dy, w and offsets must be on one device, got {dy.device}, {w.device}, {offsets.device}")
+    _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
         if recipe.quantize and use_native_mx_grouped_mm(dy.device, recipe):
             return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
@@ -170,14 +161,22 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
     break on each side (module note at ``_apply``).
     """
     recipe = get_recipe(recipe)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x has dtype {x.dtype}; mx_grouped_mm takes float32, bfloat16 or float16")
+    _check_args(x, w, offsets, "mx_grouped_mm", "x", "K")
+    return _apply(x, w, offsets, recipe)
+
+
+def _check_args(a: Tensor, w: Tensor, offsets: Tensor, fn: str, a_name: str, dim: str) -> None:
+    """The argument rules of mx_grouped_mm (a = x (T, K), dim "K") and mx_grouped_mm_dgrad
+    (a = dy (T, N), dim "N") against w (E, N, K) and offsets (E,)."""
+    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{a_name} has dtype {a.dtype}; {fn} takes float32, bfloat16 or float16")
     if offsets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"offsets must be int32 or int64 cumulative end rows, got dtype {offsets.dtype}")
-    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
-        raise ValueError(f"expected x (T, K) and w (E, N, K) with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    w_dim = 2 if dim == "K" else 1
+    if a.dim() != 2 or w.dim() != 3 or w.shape[w_dim] != a.shape[1]:
+        raise ValueError(f"expected {a_name} (T, {dim}) and w (E, N, K) with the same {dim}, got {tuple(a.shape)} "
+                         f"and {tuple(w.shape)}")
     if offsets.shape != (w.shape[0],):
         raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
-    if not (x.device == w.device == offsets.device):
-        raise ValueError(f"x, w and offsets must be on one device, got {x.device}, {w.device}, {offsets.device}")
-    return _apply(x, w, offsets, recipe)
+    if not (a.device == w.device == offsets.device):
+        raise ValueError(f"{a_name}, w and offsets must be on one device, got {a.device}, {w.device}, {offsets.device}")
