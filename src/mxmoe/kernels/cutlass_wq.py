@@ -397,8 +397,17 @@ def weight_copy_w8(w: Tensor, recipe, op: str) -> tuple[Tensor, Tensor]:
     for the forward, Nout = K, Kc = N for the dgrad) and scales (E, Kc / 64, Nout) uint16,
     each the E8M0 bytes of a row's two 32-element blocks of one 64-element k-tile (the first
     in the low byte). The library's quantizers (``quantize_rowwise`` / ``quantize_colwise``),
-    so the codes and scales are those of design (a)'s pass, bit for bit. w (E, N, K) with Kc
-    a multiple of 64."""
+    so the codes and scales are those of design (a)'s pass, bit for bit.
+
+    Args:
+        w: (E, N, K) float (bf16 on the GPU), any layout.
+        recipe: an MXFP8 :class:`~mxmoe.recipe.Recipe` (its element format and scale mode).
+        op: "forward" or "dgrad".
+
+    Raises:
+        ValueError: an unknown op, w not 3-D, or its contraction (K for the forward, N for
+            the dgrad) not a positive multiple of 64.
+    """
     from .quantize import quantize_colwise, quantize_rowwise
 
     if op not in ("forward", "dgrad"):
