@@ -41,7 +41,7 @@ def main() -> int:
         print("no CUDA device: this check runs on the H200", file=sys.stderr)
         return 2
     import triton
-    from grouped_gemm import SHAPES, SKEWED, group_sizes
+    from grouped_gemm import SHAPES, SKEWED, issue_case
     from quantize import bench
 
     from mxmoe.kernels import cutlass_wq
@@ -171,11 +171,7 @@ def main() -> int:
         info["max tokens per expert (overridden)"] = args.max_tokens_per_expert
     cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
     for (T, K, N, E), skewed in cases:
-        sizes = group_sizes(T, E, skewed)
-        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
-        dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+        sizes, offs, x, w, dy = issue_case(T, K, N, E, skewed, dev)
         t = {"fwd: bf16 torch._grouped_mm": bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
              "dgrad: bf16 torch._grouped_mm": bench(lambda: torch._grouped_mm(dy, w, offs=offs))}
         ran = {}

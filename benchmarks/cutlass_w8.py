@@ -32,7 +32,7 @@ def main() -> int:
         return 2
     import triton
     from check_grouped_wq import write_and_report
-    from grouped_gemm import SHAPES, SKEWED, group_sizes
+    from grouped_gemm import SHAPES, SKEWED, issue_case
     from quantize import bench
     from wq_kernels_bench import special_weight
 
@@ -111,11 +111,7 @@ def main() -> int:
 
     rows = []
     for (T, K, N, E), skewed in [(s, False) for s in SHAPES] + [(SKEWED, True)]:
-        sizes = group_sizes(T, E, skewed)
-        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-        x = torch.randn(T, K, device=dev, dtype=bf)
-        w = (torch.randn(E, N, K, device=dev) * 0.02).to(bf)
-        dy = torch.randn(T, N, device=dev, dtype=bf)
+        _, offs, x, w, dy = issue_case(T, K, N, E, skewed, dev)
         check(f"T={T} K={K} N={N} E={E}{' skewed' if skewed else ''}", x, w, dy, offs, r)
         cf, sf = c.weight_copy_w8(w, r, "forward")
         cd, sd = c.weight_copy_w8(w, r, "dgrad")

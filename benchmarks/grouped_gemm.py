@@ -78,6 +78,18 @@ def group_sizes(T: int, E: int, skewed: bool, seed: int = 0) -> list[int]:
     return sizes.tolist()
 
 
+def issue_case(T: int, K: int, N: int, E: int, skewed: bool,
+               dev) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One of the issue's cases on ``dev``: (sizes, int32 offsets, x (T, K), w (E, N, K) *
+    0.02, dy (T, N)), bf16 normal values, drawn in this order from the global generator."""
+    sizes = group_sizes(T, E, skewed)
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
+    dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+    return sizes, offs, x, w, dy
+
+
 GRAPH = {"on": True}  # time by CUDA-graph replay: no host launch overhead in the figures
 
 
@@ -117,10 +129,7 @@ def torchao_child(spec: str) -> int:
     from torchao.quantization.quantize_.common import KernelPreference
 
     T, K, N, E, skewed = json.loads(spec)
-    offs = torch.tensor(group_sizes(T, E, skewed), device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(E, N, K, device="cuda") * 0.02).to(torch.bfloat16)
-    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    _, offs, x, w, dy = issue_case(T, K, N, E, skewed, "cuda")
 
     def run(a, b):
         return _to_mxfp8_then_scaled_grouped_mm(a, b.transpose(-2, -1), offs, kernel_preference=KernelPreference.EMULATED,
@@ -168,11 +177,7 @@ def main() -> int:
         cases = [((256, 64, 96, 4), False), ((256, 64, 96, 4), True)]
     rows = []
     for (T, K, N, E), skewed in cases:
-        sizes = group_sizes(T, E, skewed)
-        offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(E, N, K, device=dev) * 0.02).to(torch.bfloat16)
-        dy = torch.randn(T, N, device=dev, dtype=torch.bfloat16)
+        sizes, offs, x, w, dy = issue_case(T, K, N, E, skewed, dev)
         flop = 2.0 * T * K * N
         t = {}
         # bf16 baseline: torch._grouped_mm itself (our wrapper adds a zeroing pass for rows

@@ -433,7 +433,7 @@ def test_design_b_weight_copy_and_tables():
             assert torch.equal(got.isnan(), want.isnan())
     offs = torch.tensor([10, 10, 40], dtype=torch.int32)
     a, out = torch.zeros(40, kc, dtype=torch.bfloat16), torch.zeros(40, nout, dtype=torch.bfloat16)
-    problems, pa, pb, pd, ps = group_tables(offs, codes, a, out, s)
+    problems, pa, pb, ps, pd = group_tables(offs, codes, a, out, s)  # the C entry's order
     assert problems.tolist() == [[nout, n, kc] for n in (10, 0, 30)]
     assert pa.tolist() == [codes[e].data_ptr() for e in range(3)] and ps.tolist() == [s[e].data_ptr() for e in range(3)]
     assert pb.tolist() == [a[i].data_ptr() for i in (0, 10, 10)] and pd.tolist() == [out[i].data_ptr() for i in (0, 10, 10)]

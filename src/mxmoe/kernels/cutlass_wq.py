@@ -92,7 +92,7 @@ _ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of
 
 _LIBS: dict[tuple[str, str, str], ctypes.CDLL] = {}  # (format, mode, op)
 _FAILED: dict[tuple[str, str, str], str] = {}
-_SHAPES: set[tuple] = set()  # (device, format, mode, op, E, N, K) whose first call (allocations) has run
+_SHAPES: set[tuple] = set()  # _shape_key()s whose first call (the C entry's allocations) has run
 _WORKSPACE: dict[tuple, int] = {}  # (device, format, mode, op, E): workspace bytes
 
 
@@ -360,10 +360,8 @@ def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe, op: str = "forward") 
     Cheap: no build, no host synchronization."""
     if not (x.is_cuda and recipe.quantize):
         return False
-    E, N, K = w.shape
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    seen = (dev, recipe.fmt.value, recipe.scale_mode.value, op, E, N, K) in _SHAPES
-    return eligible((x.shape[0], K), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
+    seen = _shape_key(x.device, recipe, op, w.shape) in _SHAPES
+    return eligible((x.shape[0], w.shape[2]), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
                     x.is_contiguous() and w.is_contiguous(), w.data_ptr(), recipe,
                     torch.cuda.get_device_capability(x.device), torch.cuda.is_current_stream_capturing(), seen, op)
 
@@ -440,7 +438,9 @@ def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, re
             multiple of 64, Nout a multiple of 8, all on one CUDA device; or under CUDA-graph
             capture before the shape ran once (its first call allocates).
     """
-    fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(recipe.fmt.value)
+    from .quantize import FP8_FORMATS
+
+    fp8 = FP8_FORMATS.get(recipe.fmt.value, (None, None))[1]
     if codes.dim() != 3 or aq.dim() != 2:
         raise ValueError(f"expected aq (T, Kc) and codes (E, Nout, Kc), got {tuple(aq.shape)} and {tuple(codes.shape)}")
     E, nout, kc = codes.shape
@@ -460,9 +460,7 @@ def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, re
         raise ValueError("grouped_mm_w8: " + "; ".join(problems))
     if aq.shape[0] == 0 or E == 0:
         return torch.zeros(aq.shape[0], nout, device=aq.device, dtype=torch.bfloat16)
-    dev = aq.device.index if aq.device.index is not None else torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing() and \
-            (dev, recipe.fmt.value, recipe.scale_mode.value, "w8", E, nout, kc) not in _SHAPES:
+    if torch.cuda.is_current_stream_capturing() and _shape_key(aq.device, recipe, "w8", codes.shape) not in _SHAPES:
         raise ValueError("grouped_mm_w8: run this shape once before CUDA-graph capture (its first call allocates)")
     return _run("w8", aq, codes, offsets, recipe, scales)
 
@@ -515,10 +513,7 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe, scales: Tensor 
         # per call from this stream's allocator: launches on other streams never share it
         workspace = torch.empty(max(_WORKSPACE[wkey], 1), dtype=torch.uint8, device=a.device)
         out = torch.empty(T, nout, device=a.device, dtype=torch.bfloat16)
-        tables = group_tables(offsets, w_op, a, out, scales)
-        ptrs = [t.data_ptr() for t in tables]
-        if op == "w8":  # problems, pa, pb, ps, pd
-            ptrs = ptrs[:3] + [ptrs[4], ptrs[3]]
+        ptrs = [t.data_ptr() for t in group_tables(offsets, w_op, a, out, scales)]  # the C entry's order
         for attempt in range(2):
             rc = getattr(lib, symbol(fmt, mode, _ENTRY[op], op))(E, nout, kc, *ptrs, workspace.data_ptr(),
                                                                  _WORKSPACE[wkey],
@@ -533,5 +528,12 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe, scales: Tensor 
             what += f": {getattr(lib, symbol(fmt, mode, 'last_error', op))().decode()}"
         _give_up(_key(fmt, mode, op), f"code {rc}, {what}, for E={E} N={N} K={K}")
         return None
-    _SHAPES.add((dev, fmt, mode, op, E, N, K))
+    _SHAPES.add(_shape_key(a.device, recipe, op, w.shape))
     return zero_rows_past_end(out, offsets)
+
+
+def _shape_key(device: torch.device, recipe, op: str, w_shape) -> tuple:
+    """The key of _SHAPES: a (device, format, mode, op, weight operand shape) whose first
+    call (the C entry's allocations) has run."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    return (dev, recipe.fmt.value, recipe.scale_mode.value, op, *tuple(w_shape))

@@ -44,7 +44,8 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor,
         problems: int32 (E, 3) rows (N, tokens of e, K), the GEMM of each expert with the
             weight as CUTLASS's M operand;
         pa, pb, pd: int64 (E,) device addresses of w[e], x[first row of e], out[first row of e];
-        and with ``scales_E``: ps, int64 (E,) addresses of scales_E[e].
+        with ``scales_E``, (problems, pa, pb, ps, pd) (the order of the C entry that takes
+        them, ``NAME_forward_scaled``): ps, int64 (E,) addresses of scales_E[e].
 
     Args:
         offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing, at most T). Other
@@ -68,4 +69,4 @@ def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor,
         _group_tables_kernel[(1,)](offsets_E.contiguous(), problems, pa, pb, pd, ps, E, N, K, x_TK.shape[0],
                                    w_ENK.data_ptr(), x_TK.data_ptr(), out_TN.data_ptr(), s_base, x_TK.element_size(),
                                    w_ENK.element_size(), s_per, SCALES=scales_E is not None, BLOCK=BLOCK)
-    return (problems, pa, pb, pd) if scales_E is None else (problems, pa, pb, pd, ps)
+    return (problems, pa, pb, pd) if scales_E is None else (problems, pa, pb, ps, pd)
