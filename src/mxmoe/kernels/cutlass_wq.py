@@ -37,9 +37,10 @@ source and the build settings (:func:`cached_path`; a filled cache folder can be
 another machine); ``MXMOE_NVCC_FLAGS`` adds flags (not hashed: e.g. ``-L<dir>`` where nvcc
 does not find ``libcudart_static.a``, as with the CUDA wheels); ``MXMOE_CUTLASS_WQ_LIB``
 names one library built before (:func:`build_command`) instead (the forward's; the dgrad's is
-``MXMOE_CUTLASS_WQ_DGRAD_LIB``, design (b)'s ``MXMOE_CUTLASS_W8_LIB``). Without a toolkit, headers or an sm90 GPU, or when the build
-fails (a warning says why, once), design (a) runs: the same values. ``MXMOE_GROUPED_WQ=0``
-turns design (g) off. The wgrad stays design (a)'s.
+``MXMOE_CUTLASS_WQ_DGRAD_LIB``, design (b)'s ``MXMOE_CUTLASS_W8_LIB``). Without a toolkit,
+headers or an sm90 GPU, or when the build fails (a warning says why, once), design (a)
+runs: the same values. ``MXMOE_GROUPED_WQ=0`` turns design (g) off. The wgrad stays design
+(a)'s.
 
 Design (b) in CUTLASS (VARIANT 4, op "w8"; session 15): the weight's MXFP8 copy from the
 library's quantizers (:func:`weight_copy_w8`: FP8 codes, E8M0 scales packed two per uint16)

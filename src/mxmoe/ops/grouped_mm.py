@@ -11,7 +11,8 @@ x (T, K) holds tokens sorted by expert; expert e owns rows offsets[e-1]:offsets[
 Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Nothing here
 synchronizes with the host on CUDA, except the first design (g) forward or dgrad of a shape
 on a device (its stride arrays: kernels/cutlass_wq.py) and its build at first use. Rows
-past offsets[-1] are never read: their outputs and input gradients are exact zeros. Experts with no tokens get exact zero gradients.
+past offsets[-1] are never read: their outputs and input gradients are exact zeros.
+Experts with no tokens get exact zero gradients.
 """
 
 from __future__ import annotations
