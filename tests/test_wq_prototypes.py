@@ -344,6 +344,94 @@ def _qdq4(amax16, x16, fmt, mode, path):
     return slow, torch.ones_like(nf)
 
 
+def _qdq6(amax16, x16, fmt, mode):
+    """QDQ 6's fast path (row_scale6, rne_pair, clamp_pair in floor mode) for one value x of
+    a row whose block amax is amax16, as written in the source: (values, where the kernel
+    may take it: the row's own test passes for x; a warp takes the fast path only if every
+    value of its rows passes, so x's passing is necessary). Its slow path is QDQ 5's."""
+    body = _body("row_scale6")
+    e, nf = _scale_exp(amax16, fmt, mode)
+    m = re.search(r"r\.slow = nf \|\| \(amax16 != 0u && int\(amin16 >> 7\) < max\((\d+), e \+ (\d+) - kBias\)\);", body)
+    assert m, "row_scale6's test"
+    lo, c = int(m.group(1)), int(m.group(2))
+    c_lim = _int(r"r\.lim2 = \(\(uint32_t\((\d+) \+ kEmax \+ e\) << 7\) \| 0x60u\) \* 0x10001u;", body)
+    bias, emax, drop = _const("kBias", fmt), _const("kEmax", fmt), _const("kDrop", fmt)
+    a = amax16.to(torch.int64)
+    x = x16.to(torch.int64)
+    where = ~nf & ((a == 0) | ((x & 0x7FFF) >> 7 >= torch.clamp(e + c - bias, min=lo)))
+    rb = _body("rne_pair")
+    assert "constexpr uint32_t half = ((1u << (kDrop - 1)) - 1u) * 0x10001u;" in rb
+    assert "constexpr uint32_t keep = ~(((1u << kDrop) - 1u) * 0x10001u);" in rb
+    assert "return (x + half + ((x >> kDrop) & 0x10001u)) & keep;" in rb
+    y = (x + ((1 << (drop - 1)) - 1) + ((x >> drop) & 1)) & ~((1 << drop) - 1) & 0xFFFF
+    src = _src()
+    spec = src[src.index("#elif QDQ == 6\n    if (rs[2].slow) {"):]
+    spec = spec[:spec.index("#elif QDQ == 2")]
+    if mode == "floor":
+        assert "#if MODE == 1\n      for (int i = 0; i < 4; ++i) q[i] = mxq::clamp_pair(y[i], rs[i & 1].lim2);" in spec
+        cb = _body("clamp_pair")
+        assert "return vmin2(y & 0x7FFF7FFFu, lim2) | (y & 0x80008000u);" in cb
+        lim = ((c_lim + emax + e) << 7) | 0x60
+        y = torch.minimum(y & 0x7FFF, lim) | (y & 0x8000)
+    return _bf16(y), where
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_design_g_qdq6_fast_path_matches_the_reference_for_every_bf16_value(fmt, mode):
+    """QDQ 6's fast path (the rounding on the bf16 bits), emulated from the source, against
+    the reference quantizer for every bf16 pattern x (both signs) no larger than the block
+    amax, for amax of every exponent field near the format's limits and a spread of others,
+    each with mantissas 0, 0x60 (the largest normal's), 0x61, 0x7F; the kernel's own test
+    decides where the fast path may run, and it must run for ordinary blocks (within the
+    format's normal range below the amax)."""
+    fields = sorted({1, 2, 3, 7, 8, 9, 15, 16, 17, 60, 120, 126, 127, 128, 134, 135, 136, 142, 143, 200, 253, 254})
+    amaxes = [(f << 7) | mnt for f in fields for mnt in (0x00, 0x60, 0x61, 0x7F)]
+    xs = torch.arange(0, 0x7F80, dtype=torch.int64)
+    for chunk in range(0, len(amaxes), 8):
+        amax = torch.cat([torch.full((a + 1,), a, dtype=torch.int64) for a in amaxes[chunk:chunk + 8]])
+        x = torch.cat([xs[:a + 1] for a in amaxes[chunk:chunk + 8]])
+        amax, x = torch.cat([amax, amax]), torch.cat([x, x | 0x8000])
+        want = _reference(amax, x, fmt, mode)
+        got, where = _qdq6(amax, x, fmt, mode)
+        bad = ~_same(got, want) & where
+        assert not bad.any(), (f"QDQ 6 fast path: {int(bad.sum())} of {int(where.sum())} values differ, first amax "
+                               f"{hex(int(amax[bad][0]))} x {hex(int(x[bad][0]))}: {got[bad][0]} vs {want[bad][0]}")
+        # not vacuous: values within 2^10 of their amax (and not its subnormals) take it
+        e, _ = _scale_exp(amax, fmt, mode)
+        near = ((x & 0x7FFF) >> 7 >= (amax >> 7) - 10) & ((x & 0x7FFF) >> 7 >= 1)
+        assert where[near].all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_design_g_qdq6_on_the_subnormal_and_tie_cases(fmt, mode):
+    """QDQ 6 on the cases of the other QDQ tests (every scale exponent, the format's
+    subnormal grid points and ties, non-finite blocks, zeros): the fast path where its test
+    admits the value, and the warp's slow path (QDQ 5's float32 decode) for every row."""
+    src = _src()
+    body = src[src.index("#if QDQ == 6\n      // this thread's smallest magnitude"):]
+    body = body[:body.index("#elif QDQ == 4")]
+    assert "rs[0] = mxq::row_scale6(m & 0xFFFFu, n & 0xFFFFu);" in body
+    assert "rs[1] = mxq::row_scale6(m >> 16, n >> 16);" in body
+    assert "rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);" in body
+    spec = src[src.index("#elif QDQ == 6\n    if (rs[2].slow) {"):]
+    assert "q[i] = mxq::decode_slow(mxq::encode_pair(w[i], rs[i & 1].inv2), rs[i & 1].sc);" in spec[:400]
+    rs6 = _body("row_scale6")  # the slow path's scales: those of row_scale (QDQ 5)
+    assert "r.inv2 = (uint32_t(127 - e) << 7) * 0x10001u;" in rs6
+    assert "uint32_t s = uint32_t(e + 127) << 23;" in rs6 and "if (e < -126) s = 0x400000u;" in rs6
+    assert "if (nf) s = 0x7FC00000u;" in rs6
+    amax, x = _cases(fmt)
+    want = _reference(amax, x, fmt, mode)
+    got, where = _qdq6(amax, x, fmt, mode)
+    bad = ~_same(got, want) & where
+    assert not bad.any(), (f"QDQ 6 fast path: {int(bad.sum())} values differ, first amax {hex(int(amax[bad][0]))} "
+                           f"x {hex(int(x[bad][0]))}: {got[bad][0]} vs {want[bad][0]}")
+    assert where.float().mean() > 0.1  # not vacuous: 18% of these cases take the fast path
+    got, _ = _qdq2(amax, x, fmt, mode, "slow5")
+    assert _same(got, want).all()
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 def test_design_g_scale_exponent_matches_the_reference_for_every_bf16_amax(fmt, mode):
