@@ -280,8 +280,7 @@ __device__ __forceinline__ void block_scale(uint32_t amax16, float& inv, float& 
 
 // QDQ: 1 the float32 arithmetic of design (e); 2 (default) fewer instructions; 4 no float
 // conversion in the decode (exact, but slower on the H200: NOTES.md); 5 QDQ 2 with one slow /
-// fast branch per warp (QDQ 2 computes both paths under predicates); 6 the fast path in
-// integer arithmetic on the bf16 bits (no multiply, no conversion: below); timing references,
+// fast branch per warp (QDQ 2 computes both paths under predicates); timing references,
 // not results: 0 the raw weight into the MMA (no quantization), 3 the block amax and
 // scales computed, the raw weight into the MMA.
 #ifndef QDQ
@@ -422,62 +421,6 @@ __device__ __forceinline__ uint32_t qdq_pair(uint32_t x, float inv, float sc) {
   const float x1 = __fmul_rn(__uint_as_float(x & 0xFFFF0000u), inv);
   return decode_slow(cvt_codes(x0, x1), sc);
 }
-
-// QDQ 6: where a block's scaled values x * 2^-e all lie in the element format's normal range
-// ([2^(1 - bias), max normal], bias 7 / 15), quantize-dequantize changes only x's mantissa: it
-// is x rounded to nearest even at the format's 3 / 2 mantissa bits, and that rounding can be
-// done on x's bf16 bit pattern (add 2^(kDrop - 1) - 1 plus the lowest kept bit, clear the
-// kDrop dropped bits; a carry moves into the exponent, as a rounding up to the next binade
-// does). The scale never enters those bits. Conditions, per row of a block (row_scale6):
-// every x is a normal bf16 with exponent field >= e + 128 - bias (an all-zero block
-// qualifies: its values stay 0; a zero in a nonzero block does not, it takes the slow
-// path), the block is finite, and x * 2^-e rounds to at most the largest normal: always in
-// rceil mode (amax * 2^-e <= max normal by the rule of scale_exp), and in floor mode by
-// clamping the magnitude to max normal * 2^e (cvt.rn.satfinite saturates there). A warp
-// with any row outside these conditions takes QDQ 5's slow path (float32 decode).
-constexpr int kDrop = FMT == 0 ? 4 : 5;  // bf16's 7 mantissa bits less the format's 3 / 2
-
-struct RowScale6 {
-  uint32_t inv2;  // bf16x2 2^-e (the slow path)
-  uint32_t lim2;  // bf16x2 max normal * 2^e (floor mode's saturation)
-  float sc;       // float32 2^e, NaN for a non-finite block (the slow path)
-  bool slow;
-};
-
-__device__ __forceinline__ uint32_t vmin2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("min.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// amax16 / amin16: the row's largest / this thread's smallest sign-cleared bf16 pattern in
-// the block (the warp vote over every thread's rows makes amin16 the block's)
-__device__ __forceinline__ RowScale6 row_scale6(uint32_t amax16, uint32_t amin16) {
-  bool nf;
-  const int e = scale_exp(amax16, nf);
-  RowScale6 r;
-  r.inv2 = (uint32_t(127 - e) << 7) * 0x10001u;
-  r.lim2 = ((uint32_t(127 + kEmax + e) << 7) | 0x60u) * 0x10001u;  // 1.75 * 2^(emax + e)
-  uint32_t s = uint32_t(e + 127) << 23;
-  if (e < -126) s = 0x400000u;
-  if (nf) s = 0x7FC00000u;
-  r.sc = __uint_as_float(s);
-  r.slow = nf || (amax16 != 0u && int(amin16 >> 7) < max(1, e + 128 - kBias));
-  return r;
-}
-
-// the pair rounded to nearest even at the format's mantissa bits (finite values: no carry
-// leaves the low half)
-__device__ __forceinline__ uint32_t rne_pair(uint32_t x) {
-  constexpr uint32_t half = ((1u << (kDrop - 1)) - 1u) * 0x10001u;
-  constexpr uint32_t keep = ~(((1u << kDrop) - 1u) * 0x10001u);
-  return (x + half + ((x >> kDrop) & 0x10001u)) & keep;
-}
-
-// floor mode: magnitudes above max normal * 2^e saturate to it, the signs kept
-__device__ __forceinline__ uint32_t clamp_pair(uint32_t y, uint32_t lim2) {
-  return vmin2(y & 0x7FFF7FFFu, lim2) | (y & 0x80008000u);
-}
 }  // namespace mxq
 
 #if VARIANT == 3
@@ -521,8 +464,6 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
     return cute::make_tuple(cutlass::Array<mxq::RowScale4, 3>{});
 #elif QDQ == 5
     return cute::make_tuple(cutlass::Array<mxq::RowScale, 3>{});  // the same for QDQ 5
-#elif QDQ == 6
-    return cute::make_tuple(cutlass::Array<mxq::RowScale6, 3>{});  // rows r, r + 8; the warp's vote
 #elif QDQ >= 2 || QDQ == 0
     return cute::make_tuple(cutlass::Array<mxq::RowScale, 2>{});  // rows r and r + 8
 #else
@@ -547,12 +488,6 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
     const uint32_t* a = reinterpret_cast<const uint32_t*>(raw_pointer_cast(tCrA_load.data()));
     uint32_t* q = reinterpret_cast<uint32_t*>(raw_pointer_cast(tCrA_mma.data())) + 4 * k_block;
     const uint32_t* w = a + 4 * k_block;
-#if QDQ == 6
-    // the fast path's values do not depend on the scale: computed before the block's
-    // reduction, so the compiler can overlap the two
-    uint32_t y[4];
-    for (int i = 0; i < 4; ++i) y[i] = mxq::rne_pair(w[i]);
-#endif
 #if QDQ == 0
     // one bf16x2 multiply by 1.0 per pair (a plain register copy made ptxas serialize the
     // wgmmas: C7513)
@@ -567,15 +502,7 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
       uint32_t m = mxq::vmax2(__byte_perm(rg, rh, 0x5410), __byte_perm(rg, rh, 0x7632));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       m = mxq::vmax2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-#if QDQ == 6
-      // this thread's smallest magnitude of each row (not reduced: the vote covers the lanes)
-      uint32_t ng = mxq::vmin2(mxq::vmin2(w[0] & M, w[2] & M), mxq::vmin2(v[0] & M, v[2] & M));
-      uint32_t nh = mxq::vmin2(mxq::vmin2(w[1] & M, w[3] & M), mxq::vmin2(v[1] & M, v[3] & M));
-      const uint32_t n = mxq::vmin2(__byte_perm(ng, nh, 0x5410), __byte_perm(ng, nh, 0x7632));
-      rs[0] = mxq::row_scale6(m & 0xFFFFu, n & 0xFFFFu);
-      rs[1] = mxq::row_scale6(m >> 16, n >> 16);
-      rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);  // one branch per warp
-#elif QDQ == 4
+#if QDQ == 4
       rs[0] = mxq::row_scale4(m & 0xFFFFu);
       rs[1] = mxq::row_scale4(m >> 16);
       rs[2].slow = __any_sync(0xFFFFFFFFu, rs[0].slow || rs[1].slow);  // one branch per warp
@@ -604,16 +531,6 @@ struct MixedInputUtils<::MainloopQ> : MixedInputUtils<::CollectiveQ<cute::identi
     } else {
       for (int i = 0; i < 4; ++i)
         q[i] = QDQ == 4 ? mxq::decode_fast(h[i], rs[i & 1].sc2) : mxq::decode_bf16(h[i], rs[i & 1].sc2);
-    }
-#elif QDQ == 6
-    if (rs[2].slow) {
-      for (int i = 0; i < 4; ++i) q[i] = mxq::decode_slow(mxq::encode_pair(w[i], rs[i & 1].inv2), rs[i & 1].sc);
-    } else {
-#if MODE == 1
-      for (int i = 0; i < 4; ++i) q[i] = mxq::clamp_pair(y[i], rs[i & 1].lim2);
-#else
-      for (int i = 0; i < 4; ++i) q[i] = y[i];
-#endif
     }
 #elif QDQ == 2
     q[0] = mxq::qdq_pair2(w[0], rs[0]);
