@@ -70,6 +70,33 @@ def test_group_tables_from_offsets():
         assert pb.tolist()[-1] == x[starts[-1]].data_ptr()
 
 
+def test_group_tables_kernel_compiles_once_per_offsets_dtype():
+    """The tables' Triton kernel is not specialized on any scalar value or on the offsets'
+    alignment (a new T that is 1 or a multiple of 16, or another offsets view, would
+    otherwise compile a new variant, possibly inside CUDA-graph capture), and the seen-shape
+    key that lets design (g) run under capture names the offsets dtype, the one remaining
+    reason to compile."""
+    import inspect
+
+    from mxmoe.kernels import group_tables as gt
+
+    k = gt._group_tables_kernel
+    def names(items):  # a JITFunction keeps indices or names, the interpreter the decorator's arguments
+        return [k.params[i].name if isinstance(i, int) else i for i in items]
+
+    kw = getattr(k, "kwargs", None) or {"do_not_specialize": names(k.do_not_specialize),
+                                        "do_not_specialize_on_alignment": names(k.do_not_specialize_on_alignment)}
+    fn = getattr(k, "fn", k)
+    params = inspect.signature(fn).parameters
+    scalars = [n for n, prm in params.items() if not n.endswith("_ptr") and "constexpr" not in str(prm.annotation)]
+    assert scalars and set(scalars) <= set(kw["do_not_specialize"]), scalars
+    assert "ends_ptr" in kw["do_not_specialize_on_alignment"]
+    r = get_recipe("mxfp8")
+    cpu = torch.device("cpu", 0)
+    keys = {cutlass_wq._shape_key(cpu, r, "forward", (4, 64, 32), dt) for dt in (torch.int32, torch.int64)}
+    assert len(keys) == 2
+
+
 def test_group_tables_of_the_dgrad():
     """With w^T (a transposed view, as cutlass_wq passes it) the tables describe the dgrad:
     per expert (K, its tokens, N), w[e]'s address, and dy / dx rows of N / K elements."""

@@ -361,7 +361,7 @@ def applies(x: Tensor, w: Tensor, offsets: Tensor, recipe, op: str = "forward") 
     Cheap: no build, no host synchronization."""
     if not (x.is_cuda and recipe.quantize):
         return False
-    seen = _shape_key(x.device, recipe, op, w.shape) in _SHAPES
+    seen = _shape_key(x.device, recipe, op, w.shape, offsets.dtype) in _SHAPES
     return eligible((x.shape[0], w.shape[2]), tuple(w.shape), x.dtype == w.dtype == torch.bfloat16,
                     x.is_contiguous() and w.is_contiguous(), w.data_ptr(), recipe,
                     torch.cuda.get_device_capability(x.device), torch.cuda.is_current_stream_capturing(), seen, op)
@@ -461,7 +461,7 @@ def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, re
         raise ValueError("grouped_mm_w8: " + "; ".join(problems))
     if aq.shape[0] == 0 or E == 0:
         return torch.zeros(aq.shape[0], nout, device=aq.device, dtype=torch.bfloat16)
-    if torch.cuda.is_current_stream_capturing() and _shape_key(aq.device, recipe, "w8", codes.shape) not in _SHAPES:
+    if torch.cuda.is_current_stream_capturing() and _shape_key(aq.device, recipe, "w8", codes.shape, offsets.dtype) not in _SHAPES:
         raise ValueError("grouped_mm_w8: run this shape once before CUDA-graph capture (its first call allocates)")
     return _run("w8", aq, codes, offsets, recipe, scales)
 
@@ -529,12 +529,14 @@ def _run(op: str, a: Tensor, w: Tensor, offsets: Tensor, recipe, scales: Tensor 
             what += f": {getattr(lib, symbol(fmt, mode, 'last_error', op))().decode()}"
         _give_up(_key(fmt, mode, op), f"code {rc}, {what}, for E={E} N={N} K={K}")
         return None
-    _SHAPES.add(_shape_key(a.device, recipe, op, w.shape))
+    _SHAPES.add(_shape_key(a.device, recipe, op, w.shape, offsets.dtype))
     return zero_rows_past_end(out, offsets)
 
 
-def _shape_key(device: torch.device, recipe, op: str, w_shape) -> tuple:
-    """The key of _SHAPES: a (device, format, mode, op, weight operand shape) whose first
-    call (the C entry's allocations) has run."""
+def _shape_key(device: torch.device, recipe, op: str, w_shape, offsets_dtype: torch.dtype) -> tuple:
+    """The key of _SHAPES: a (device, format, mode, op, weight operand shape, offsets dtype)
+    whose first call has run: the C entry's allocations (per device, op and shape) and the
+    argument tables' Triton kernel (compiled per offsets dtype; no other specialization:
+    kernels/group_tables.py) are then in place for a CUDA-graph capture."""
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    return (dev, recipe.fmt.value, recipe.scale_mode.value, op, *tuple(w_shape))
+    return (dev, recipe.fmt.value, recipe.scale_mode.value, op, *tuple(w_shape), str(offsets_dtype))

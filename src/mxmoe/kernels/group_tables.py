@@ -15,7 +15,14 @@ from torch import Tensor
 BLOCK = 256
 
 
-@triton.jit
+# No value specialization: Triton would otherwise compile a new variant when an integer
+# argument turns 1 or a multiple of 16 (T, E, the base addresses) or the offsets' address
+# changes alignment, and a first compile inside CUDA-graph capture can fail there. One variant
+# per SCALES and offsets dtype (part of cutlass_wq's seen-shape key).
+_SCALARS = ("E", "N", "K", "T", "w_base", "x_base", "out_base", "s_base", "elem_bytes", "w_elem_bytes", "s_per_expert")
+
+
+@triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=("ends_ptr",))
 def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, ps_ptr, E, N, K, T, w_base, x_base, out_base,
                          s_base, elem_bytes, w_elem_bytes, s_per_expert, SCALES: tl.constexpr, BLOCK: tl.constexpr):
     for start in range(0, E, BLOCK):
