@@ -106,7 +106,8 @@ def main() -> int:
             og, gg, ran = run(x, w, offs, r, True, grad)
             oa, ga, _ = run(x, w, offs, r, False, grad)
             ok = same(og, oa) and ran[0] == expect and not (pad and og[T - pad:].abs().sum().item() != 0)
-            res = {"design_g_ran": ran[0], "expected": expect, "out equal": same(og, oa)}
+            res = {"design_g_ran": ran[0], "expected": expect, "out equal": same(og, oa),
+                   "out max abs diff": maxdiff(og[:T - pad], oa[:T - pad])}
             if grad:
                 res.update({"dgrad (g) ran": ran[1], "dx equal": same(gg[0], ga[0]),
                             "dx max abs diff": maxdiff(gg[0], ga[0]),

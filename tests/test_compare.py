@@ -99,6 +99,32 @@ def test_report_says_which_targets_are_missed_and_by_how_much(tmp_path):
     assert "quantized recipes are emulated" in text  # the CPU speed ratio is not about MXFP8 hardware
 
 
+def test_step_time_is_the_median_and_few_timed_steps_are_flagged(tmp_path):
+    """One slow step among few timed ones (a page-in, another process's burst) moved the
+    mean, and so the speedup, by a factor: the step time is the median of the timed steps,
+    and a report whose runs have fewer than MIN_TIMED_STEPS timed steps says so."""
+    from mxmoe.training.compare import MIN_TIMED_STEPS, WARMUP_STEPS_SKIPPED, summarize_run
+
+    fake_run(tmp_path / "a", "bf16", val=2.0, ms=100.0, mem=1.0)
+    fake_run(tmp_path / "a", "mxfp8", val=2.0, ms=100.0, mem=1.0)
+    m = tmp_path / "a" / "bf16" / "metrics.jsonl"
+    lines = [json.loads(x) for x in m.read_text().splitlines()]
+    slow = next(x for x in lines if x["kind"] == "train" and x["step"] == WARMUP_STEPS_SKIPPED + 3)
+    slow["ms_per_step"] = 6500.0
+    m.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = summarize_run(tmp_path / "a" / "bf16")
+    assert run.ms_per_step == 100.0 and run.timed_steps == 40 - WARMUP_STEPS_SKIPPED
+    text = build_report(tmp_path / "a").read_text()
+    assert table_rows(text)["mxfp8"][9] == "1.000x" and "too few steps" not in text
+    # fake runs evaluate every 10 steps and finish on an evaluation: 10 steps = 5 timed, 20 = 15
+    assert WARMUP_STEPS_SKIPPED + MIN_TIMED_STEPS in (15,)
+    fake_run(tmp_path / "b", "bf16", val=2.0, ms=100.0, mem=1.0, steps=10)
+    fake_run(tmp_path / "b", "mxfp8", val=2.0, ms=100.0, mem=1.0, steps=20)
+    text = build_report(tmp_path / "b").read_text()
+    assert f"**Speed from too few steps:** bf16 {10 - WARMUP_STEPS_SKIPPED} timed step(s)" in text
+    assert "mxfp8 15" not in text
+
+
 def test_report_targets_met_and_equal_memory_is_a_miss(tmp_path):
     fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0)
     fake_run(tmp_path, "mxfp8", val=2.0 * 1.009, ms=100 / 0.96, mem=0.9)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ SPEED_TARGET_RATIO = 0.95  # tokens/s at least 0.95x bf16's
 # Steady-state speed: train steps after the first WARMUP_STEPS_SKIPPED (allocator and kernel
 # warm-up), as the trainer's summary line does.
 WARMUP_STEPS_SKIPPED = 5
+# The step time is the median of those steps (one slow step, e.g. a page-in or another
+# process's burst on the CPU, would move a mean of a few steps by a factor); with fewer than
+# this many timed steps the report says the speed figures are not to be relied on.
+MIN_TIMED_STEPS = 10
 ZOOM_FRACTION = 0.2  # the zoomed panel shows the last 20% of steps
 SMOOTHING_FRACTION = 0.01  # train curves are also drawn as a moving average over 1% of the steps
 # Dense BF16 tensor-core peak in TFLOP/s (no sparsity), from NVIDIA's data sheets, matched
@@ -300,8 +305,9 @@ class RunSummary:
         train_curve: (step, train loss) per step. val_curve: (step, val loss) per evaluation.
         final_train_loss: train loss (cross entropy, nats per token) of the last step.
         final_val_loss: validation loss of the last evaluation.
-        ms_per_step: mean step time over steps > WARMUP_STEPS_SKIPPED (ms).
-        tokens_per_s: batch_size x seq_len / mean step time.
+        ms_per_step: median step time over steps > WARMUP_STEPS_SKIPPED (ms).
+        tokens_per_s: batch_size x seq_len / median step time.
+        timed_steps: how many steps that median is over.
         peak_mem_gib: max of the metrics' ``mem_gib`` (GiB; see ``memory_kind``).
         memory_kind: "cuda" (torch.cuda.max_memory_allocated of the run's process) or
             "rss" (peak resident set size of the run's process).
@@ -333,6 +339,7 @@ class RunSummary:
     config: dict[str, Any]
     result: dict[str, Any] | None
     cuda_graph: bool = False
+    timed_steps: int = 0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -367,7 +374,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
     last_step = train_curve[-1][0] if train_curve else 0
     finished = last_step == tcfg["steps"] and bool(val_curve) and val_curve[-1][0] == tcfg["steps"]
     timed = [m["ms_per_step"] for m in train if m["step"] > WARMUP_STEPS_SKIPPED] or [m["ms_per_step"] for m in train]
-    ms = sum(timed) / len(timed) if timed else math.nan
+    ms = statistics.median(timed) if timed else math.nan
     device = config.get("device", "cpu")
     asked_graph = tcfg.get("cuda_graph", SETTINGS_BEFORE_ADDED["cuda_graph"])
     return RunSummary(
@@ -382,6 +389,7 @@ def summarize_run(run_dir: Path) -> RunSummary:
         flops_per_token=config["flops_per_token"], device=device,
         device_name=(result or {}).get("device_name"), config=config, result=result,
         cuda_graph=all(m.get("cuda_graph", asked_graph) for m in train),
+        timed_steps=len(timed),
     )
 
 
@@ -482,6 +490,11 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
         lines.append(f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} | {vgap} | {tgap} "
                      f"| {r.tokens_per_s:,.0f} | {r.ms_per_step:.1f} | {r.peak_mem_gib:.3f} "
                      f"| {_fmt(None if u is None else 100 * u, '.2f')}{'' if u is None else '%'} | {speedup} |")
+    few = [r for r in runs if r.timed_steps < MIN_TIMED_STEPS]
+    if few:
+        lines += ["", "**Speed from too few steps:** " + ", ".join(f"{r.recipe} {r.timed_steps}" for r in few)
+                  + f" timed step(s) (at least {MIN_TIMED_STEPS} after the first {WARMUP_STEPS_SKIPPED} are "
+                  "needed for tokens/s and speedup to mean much; run more --steps)."]
     lines += ["", "## Targets", ""]
     others = [r for r in runs if r.recipe != BASELINE_RECIPE]
     if base is None or not others:
@@ -510,9 +523,9 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
     lines.append(f"- Losses are cross entropy in nats per token. Final train loss: the last step's batch (the same "
                  f"batch for every recipe). Final val loss: the evaluation after the last step, "
                  f"{t['eval_batches']} fixed batch{'es' if t['eval_batches'] != 1 else ''} of the validation split. Gaps: (recipe - bf16) / bf16.")
-    lines.append(f"- ms/step: mean wall time of the training steps after step {WARMUP_STEPS_SKIPPED} (forward, "
+    lines.append(f"- ms/step: median wall time of the training steps after step {WARMUP_STEPS_SKIPPED} (forward, "
                  f"backward, optimizer; evaluations and checkpoints not included); tokens/s = "
-                 f"{t['batch_size']} x {t['seq_len']} tokens / that mean; speedup = tokens/s over bf16's.")
+                 f"{t['batch_size']} x {t['seq_len']} tokens / that median; speedup = tokens/s over bf16's.")
     kinds = {r.memory_kind for r in runs}
     if "cuda" in kinds:
         lines.append("- Peak memory (GPU runs): `torch.cuda.max_memory_allocated` of the recipe's own process, "

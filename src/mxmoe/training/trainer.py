@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -451,7 +452,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     steps_run = len(step_times)
     # steady-state speed: skip the first steps (allocator and kernel warm-up)
     timed = step_times[min(5, steps_run // 2):] or step_times or [float("nan")]
-    step_s = sum(timed) / len(timed)
+    step_s = statistics.median(timed)  # robust to one slow step (compare.py reads it the same way)
     return TrainResult(
         first_loss=train_losses[0] if train_losses else float("nan"),
         last_loss=train_losses[-1] if train_losses else float("nan"),
