@@ -60,7 +60,7 @@ def main() -> int:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     T, K, N, E = 65536, 7168, 2048, 64
-    sizes, offs, x, w, _ = issue_case(T, K, N, E, False, dev)
+    _, offs, x, w, _ = issue_case(T, K, N, E, False, dev)
     r = get_recipe("mxfp8")
     xq = fake_quantize(x, r, dim=1, out_dtype=torch.bfloat16)
     wq, _ = weight_operands(w, r, torch.bfloat16, dgrad=False)

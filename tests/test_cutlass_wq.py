@@ -70,7 +70,7 @@ def test_group_tables_from_offsets():
         assert pb.tolist()[-1] == x[starts[-1]].data_ptr()
 
 
-def test_group_tables_kernel_compiles_once_per_offsets_dtype():
+def test_group_tables_kernel_is_not_specialized_on_values():
     """The tables' Triton kernel is not specialized on any scalar value or on the offsets'
     alignment (a new T that is 1 or a multiple of 16, or another offsets view, would
     otherwise compile a new variant, possibly inside CUDA-graph capture), and the seen-shape

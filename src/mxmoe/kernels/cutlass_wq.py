@@ -461,7 +461,8 @@ def grouped_mm_w8(aq: Tensor, codes: Tensor, scales: Tensor, offsets: Tensor, re
         raise ValueError("grouped_mm_w8: " + "; ".join(problems))
     if aq.shape[0] == 0 or E == 0:
         return torch.zeros(aq.shape[0], nout, device=aq.device, dtype=torch.bfloat16)
-    if torch.cuda.is_current_stream_capturing() and _shape_key(aq.device, recipe, "w8", codes.shape, offsets.dtype) not in _SHAPES:
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and _shape_key(aq.device, recipe, "w8", codes.shape, offsets.dtype) not in _SHAPES:
         raise ValueError("grouped_mm_w8: run this shape once before CUDA-graph capture (its first call allocates)")
     return _run("w8", aq, codes, offsets, recipe, scales)
 

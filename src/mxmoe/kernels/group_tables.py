@@ -17,8 +17,9 @@ BLOCK = 256
 
 # No value specialization: Triton would otherwise compile a new variant when an integer
 # argument turns 1 or a multiple of 16 (T, E, the base addresses) or the offsets' address
-# changes alignment, and a first compile inside CUDA-graph capture can fail there. One variant
-# per SCALES and offsets dtype (part of cutlass_wq's seen-shape key).
+# changes alignment, also inside a CUDA-graph capture (which the H200's torch 2.11 / Triton
+# 3.6 allow; a compile there is avoidable work at best). One variant per SCALES and offsets
+# dtype (part of cutlass_wq's seen-shape key).
 _SCALARS = ("E", "N", "K", "T", "w_base", "x_base", "out_base", "s_base", "elem_bytes", "w_elem_bytes", "s_per_expert")
 
 
