@@ -11,7 +11,8 @@ For each shape (T tokens, K, N, E experts) and routing, in one process:
   session 14 the library's forward takes design (g) (the weight quantized inside CUTLASS's
   grouped GEMM, ``mxmoe.kernels.cutlass_wq``) on sm90 where it applies (at most 640 tokens
   per expert: the (16384, 2048, 1408, 64) case) and can be built, and since session 15 its
-  dgrad too (``mx_grouped_mm_dgrad``, what the backward runs); the JSON says which ran ("mx
+  dgrad too (``mx_grouped_mm_dgrad``, what the backward runs; since session 16 up to 1152
+  tokens per expert: also (65536, 7168, 2048, 64)); the JSON says which ran ("mx
   fwd design", "mx dgrad design"), and "mx fwd, design (a)" / "mx dgrad, design (a)" time
   design (a)'s composition of the same op in the same run.
   "w cached": the weight's copies from ``mxmoe.weight_copy_cache()`` (made once per

@@ -30,6 +30,7 @@ def test_build_command_builds_the_measured_variant_for_each_format_mode_and_op()
                 assert d["FMT"] == str(f) and d["MODE"] == str(m)
                 assert (d["VARIANT"], d["TN"], d["QDQ"], d["LOOP"], d["STAGES"]) == ("3", "320", "5", "4", "3")
                 assert d.get("WT", "0") == ("1" if op == "dgrad" else "0")
+                assert d.get("RASTER", "0") == ("1" if op == "dgrad" else "0")  # its tile order (session 16)
                 assert d["NAME"] + "_forward" == cutlass_wq.symbol(fmt, mode, op=op)
                 assert "-arch=sm_90a" in cmd and "-shared" in cmd and cmd[-1] == str(cutlass_wq.SOURCE)
                 assert "-I/c/include" in cmd and "-I/c/tools/util/include" in cmd
@@ -153,6 +154,12 @@ def test_eligibility_rule(monkeypatch):
     assert cutlass_wq.eligible(**{**base, "x_shape": (640 * 64, 2048)})  # the token bound, inclusive
     assert cutlass_wq.eligible(**{**base, "capturing": True, "seen": True})
     assert cutlass_wq.eligible(**{**base, "op": "dgrad"})
+    # the dgrad's own bound (its tile order makes it the faster design up to ~1152 per expert)
+    assert cutlass_wq.MAX_TOKENS_PER_EXPERT_DGRAD > cutlass_wq.MAX_TOKENS_PER_EXPERT
+    dg = cutlass_wq.MAX_TOKENS_PER_EXPERT_DGRAD * 64
+    assert cutlass_wq.eligible(**{**base, "op": "dgrad", "x_shape": (dg, 2048)})
+    assert not cutlass_wq.eligible(**{**base, "op": "dgrad", "x_shape": (dg + 1, 2048)})
+    assert not cutlass_wq.eligible(**{**base, "x_shape": (dg, 2048)})  # the forward's bound is lower
     no = {
         "an op without a build": {"op": "wgrad"},
         "bf16 recipe": {"recipe": get_recipe("bf16")},

@@ -90,6 +90,9 @@ constexpr int AlignX = 8;
 constexpr int AlignD = 8;
 using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
 using ClusterShape = Shape<Int<CM>, _1, _1>;
+#ifndef RASTER
+#define RASTER 0  // 1: the grouped scheduler walks the token tiles first (AlongN; the dgrad, session 16)
+#endif
 #ifndef PINGPONG
 #define PINGPONG 0  // 1: one warpgroup per (TM = 64) tile, two tiles in flight per CTA
 #endif
@@ -784,6 +787,14 @@ void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void*
                 {fusion, nullptr, nullptr, reinterpret_cast<Bf16**>(pd), st.dD},
                 hw};
   }
+#endif
+#if RASTER
+  // the tiles that share one block of weight rows (one per token tile of the expert) run
+  // back to back instead of CUTLASS's default order for grouped problems (AlongM: every block
+  // of weight rows for one token tile): the dgrad at (65536, 7168, 2048, 64), whose weight
+  // operand per expert (29 MB) is seven times its tokens', ran 0.848-0.851x instead of 0.819x
+  // (benchmarks/wq_raster.py, session 16); the same elsewhere within noise
+  args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongN;
 #endif
 }
 }  // namespace

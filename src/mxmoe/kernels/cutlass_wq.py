@@ -24,8 +24,10 @@ The dgrad (dx_e = dout_e w_e, w quantized along N) is the same kernel built with
 the weight operand is w_e^T (K x N, its memory K-contiguous), loaded into shared memory as
 it lies and into the registers with ldmatrix.trans, quantized along N the same way
 (:func:`grouped_mm_nn_wq`; session 15): bit-equal to design (a), 0.915-0.924x bf16 per call
-at (16384, 2048, 1408, 64) against (a)'s 0.58x, and below (a) at 1024 and 2048 tokens per
-expert (0.81 against 0.83-0.91x), so it follows the forward's rule.
+at (16384, 2048, 1408, 64) against (a)'s 0.58x. Its build walks the tiles of one block of
+weight rows back to back (``RASTER``; session 16): at 1024 tokens per expert 0.848-0.851x
+against (a)'s 0.82-0.85x (CUTLASS's default order: 0.82x), at 2048 0.80 against 0.88-0.91x,
+so :func:`applies` takes it up to ``MAX_TOKENS_PER_EXPERT_DGRAD`` tokens per expert.
 
 The kernel is compiled at first use, once per (element format, scale mode), with ``nvcc``
 (CUDA >= 12.8: ``MXMOE_NVCC``, ``nvcc`` on the PATH or ``$CUDA_HOME/bin``) and CUTLASS 4.2's
@@ -81,7 +83,8 @@ FORMATS = {"e4m3": 0, "e5m2": 1}
 # "w8": design (b) in CUTLASS (VARIANT 4): the weight's MXFP8 copy from a quantize pass
 # (:func:`weight_copy_w8`), codes converted with their E8M0 scales in the mainloop; one
 # build per element format serves forward and dgrad (the pass decides the scale mode)
-OPS = {"forward": {}, "dgrad": {"WT": 1},
+# (the dgrad's tile order: the token tiles of a block of weight rows back to back, RASTER)
+OPS = {"forward": {}, "dgrad": {"WT": 1, "RASTER": 1},
        "w8": {"VARIANT": 4, "TN": 256, "CM": 2, "STAGES": 4, "LOOP": 0, "QDQ": 0, "EARLY": 0, "MODE": 0}}
 _LIB_ENV = {"forward": "MXMOE_CUTLASS_WQ_LIB", "dgrad": "MXMOE_CUTLASS_WQ_DGRAD_LIB", "w8": "MXMOE_CUTLASS_W8_LIB"}
 _ENTRY = {"forward": "forward", "dgrad": "forward", "w8": "forward_scaled"}  # the launch entry's suffix
@@ -89,6 +92,10 @@ SCALE_MODES = {"rceil": 0, "floor": 1}
 # design (g) for at most this many tokens per expert on average (measured: 256 per expert
 # 0.90x against (a)'s 0.60x; 1024 about even; 2048 slower)
 MAX_TOKENS_PER_EXPERT = 640
+# the dgrad's bound (session 16, its tile order walking the token tiles first): (g) 0.848-0.851x
+# against (a)'s 0.82-0.85x at 1024 tokens per expert, 0.80x against 0.88-0.91x at 2048;
+# 1152 = 1024 + 1/8 lies between
+MAX_TOKENS_PER_EXPERT_DGRAD = 1152
 _ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of the output)
 
 _LIBS: dict[tuple[str, str, str], ctypes.CDLL] = {}  # (format, mode, op)
@@ -341,7 +348,8 @@ def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, 
     build for ``op`` has not failed, bfloat16 contiguous tokens (x (T, K) for the forward,
     dout (T, N) for the dgrad; ``x_shape`` is (T, K) for both) and w (E, N, K) with w 16-byte
     aligned (TMA), T, K, N > 0 (an empty contraction would leave the kernel waiting for
-    k-tiles), K and N multiples of 8, T <= ``MAX_TOKENS_PER_EXPERT`` * E, an sm90 device
+    k-tiles), K and N multiples of 8, T <= ``MAX_TOKENS_PER_EXPERT`` * E (the dgrad:
+    ``MAX_TOKENS_PER_EXPERT_DGRAD``), an sm90 device
     (``capability`` (9, 0): the binary is sm_90a), and not under CUDA-graph capture unless
     this shape ran once on this device (``seen``: its first call allocates)."""
     if not (enabled() and recipe.quantize and recipe.block_size == 32 and dtypes_bf16 and contiguous):
@@ -350,7 +358,8 @@ def eligible(x_shape, w_shape, dtypes_bf16: bool, contiguous: bool, w_ptr: int, 
     if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS or _key(fmt, mode, op) in _FAILED:
         return False
     (T, K), (E, N, _) = x_shape, w_shape
-    if min(T, K, N, E) <= 0 or K % _ALIGN or N % _ALIGN or w_ptr % 16 or T > MAX_TOKENS_PER_EXPERT * E:
+    limit = MAX_TOKENS_PER_EXPERT_DGRAD if op == "dgrad" else MAX_TOKENS_PER_EXPERT
+    if min(T, K, N, E) <= 0 or K % _ALIGN or N % _ALIGN or w_ptr % 16 or T > limit * E:
         return False
     return tuple(capability) == (9, 0) and (seen or not capturing)
 

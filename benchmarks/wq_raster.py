@@ -1,0 +1,82 @@
+"""Experiment (issue 4, session 16): the tile order of design (g)'s persistent grouped
+scheduler. CUTLASS's grouped scheduler walks the output tiles along M (the weight's rows) by
+default, one tile wide; ``raster_order`` AlongN walks the token tiles first (the tiles that
+quantize the same weight rows run back to back) and ``max_swizzle_size`` groups tiles into
+squares of 2, 4 or 8 (the issue's "expert-wise supergrouping": operands kept in L2). A build
+of ``src/mxmoe/kernels/cutlass_wq.cu`` whose ``fill_args`` reads ``MXMOE_WQ_RASTER`` (m / n /
+h) and ``MXMOE_WQ_SWIZZLE`` (an integer) is given by ``MXMOE_CUTLASS_WQ_LIB`` /
+``MXMOE_CUTLASS_WQ_DGRAD_LIB``; design (g) is forced at every shape, each setting's output is
+compared bit for bit with the default order's, and the forward and dgrad are timed per call
+(CUDA-graph replay) against bf16 ``torch._grouped_mm`` in the same process.
+
+    PYTHONPATH=src:benchmarks MXMOE_CUTLASS_WQ_LIB=<fwd.so> MXMOE_CUTLASS_WQ_DGRAD_LIB=<dgrad.so> \\
+        python3 benchmarks/wq_raster.py --settings m1,n1,m2,n2,m4,n4 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--settings", default="m1,n1,m2,n2,m4,n4,m8,n8",
+                    help="raster order (m / n / h) and swizzle size, comma separated")
+    ap.add_argument("--shapes", default="0,1,2,3", help="indices into the issue's cases (3: skewed)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this experiment runs on the H200", file=sys.stderr)
+        return 2
+    from grouped_gemm import SHAPES, SKEWED, issue_case
+    from quantize import bench
+
+    from mxmoe.kernels import cutlass_wq
+    from mxmoe.ops.grouped_mm import mx_grouped_mm, mx_grouped_mm_dgrad
+    from mxmoe.recipe import get_recipe
+
+    cutlass_wq.MAX_TOKENS_PER_EXPERT = cutlass_wq.MAX_TOKENS_PER_EXPERT_DGRAD = 10 ** 9  # design (g) at every shape
+    r = get_recipe("mxfp8")
+    dev = torch.device("cuda")
+    cases = [(s, False) for s in SHAPES] + [(SKEWED, True)]
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    rows = []
+    for i in [int(s) for s in args.shapes.split(",")]:
+        (T, K, N, E), skewed = cases[i]
+        _, offs, x, w, dy = issue_case(T, K, N, E, skewed, dev)
+        for var in ("MXMOE_WQ_RASTER", "MXMOE_WQ_SWIZZLE"):
+            os.environ.pop(var, None)
+        ref = (mx_grouped_mm(x, w, offs, r), mx_grouped_mm_dgrad(dy, w, offs, r))
+        t = {"fwd bf16": bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+             "dgrad bf16": bench(lambda: torch._grouped_mm(dy, w, offs=offs)),
+             "fwd default": bench(lambda: mx_grouped_mm(x, w, offs, r)),
+             "dgrad default": bench(lambda: mx_grouped_mm_dgrad(dy, w, offs, r))}
+        equal = {}
+        for s in settings:
+            os.environ["MXMOE_WQ_RASTER"], os.environ["MXMOE_WQ_SWIZZLE"] = s[0], s[1:]
+            out = (mx_grouped_mm(x, w, offs, r), mx_grouped_mm_dgrad(dy, w, offs, r))
+            equal[s] = all(bool((a.view(torch.int16) == b.view(torch.int16)).all()) for a, b in zip(out, ref))
+            t[f"fwd {s}"] = bench(lambda: mx_grouped_mm(x, w, offs, r))
+            t[f"dgrad {s}"] = bench(lambda: mx_grouped_mm_dgrad(dy, w, offs, r))
+        ratios = {k: t[f"{k.split()[0]} bf16"] / v for k, v in t.items() if "bf16" not in k}
+        row = {"shape": [T, K, N, E], "skewed": skewed, "equal to the default order": equal,
+               "us": {k: round(v * 1e6, 1) for k, v in t.items()}, "x bf16": {k: round(v, 3) for k, v in ratios.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%d"), "lib": os.environ.get("MXMOE_CUTLASS_WQ_LIB"),
+            "dgrad lib": os.environ.get("MXMOE_CUTLASS_WQ_DGRAD_LIB")}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    return 0 if all(all(r["equal to the default order"].values()) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
