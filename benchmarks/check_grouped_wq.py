@@ -35,7 +35,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--timing-only", action="store_true", help="skip the checks")
     ap.add_argument("--max-tokens-per-expert", type=int, default=None,
-                    help="override cutlass_wq.MAX_TOKENS_PER_EXPERT for the timing (to measure design (g) where "
+                    help="override cutlass_wq.MAX_TOKENS_PER_EXPERT and MAX_TOKENS_PER_EXPERT_DGRAD for the timing "
+                         "(to measure design (g) where "
                          "the rule would not take it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -111,7 +112,7 @@ def main() -> int:
             res = {"design_g_ran": ran[0], "expected": expect, "out equal": same(og, oa),
                    "out max abs diff": maxdiff(og[:T - pad], oa[:T - pad])}
             if grad:
-                res.update({"dgrad (g) ran": ran[1], "dx equal": same(gg[0], ga[0]),
+                res.update({"dgrad (g) ran": ran[1], "dgrad expected": expect_dgrad, "dx equal": same(gg[0], ga[0]),
                             "dx max abs diff": maxdiff(gg[0], ga[0]),
                             "dw equal": same(gg[1].to(torch.bfloat16), ga[1].to(torch.bfloat16))})
                 ok = ok and ran[1] == expect_dgrad and res["dx equal"] and res["dw equal"]

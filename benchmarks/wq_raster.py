@@ -2,15 +2,23 @@
 scheduler. CUTLASS's grouped scheduler walks the output tiles along M (the weight's rows) by
 default, one tile wide; ``raster_order`` AlongN walks the token tiles first (the tiles that
 quantize the same weight rows run back to back) and ``max_swizzle_size`` groups tiles into
-squares of 2, 4 or 8 (the issue's "expert-wise supergrouping": operands kept in L2). A build
-of ``src/mxmoe/kernels/cutlass_wq.cu`` whose ``fill_args`` reads ``MXMOE_WQ_RASTER`` (m / n /
-h) and ``MXMOE_WQ_SWIZZLE`` (an integer) is given by ``MXMOE_CUTLASS_WQ_LIB`` /
-``MXMOE_CUTLASS_WQ_DGRAD_LIB``; design (g) is forced at every shape, each setting's output is
-compared bit for bit with the default order's, and the forward and dgrad are timed per call
-(CUDA-graph replay) against bf16 ``torch._grouped_mm`` in the same process.
+squares of 2, 4 or 8 (the issue's "expert-wise supergrouping": operands kept in L2; but the
+grouped scheduler, given no host-side problem shapes as here, keeps swizzle 1: session 16
+measured the sizes to have no effect). The measurement builds of
+``src/mxmoe/kernels/cutlass_wq.cu`` (``RASTER=2``: ``fill_args`` reads ``MXMOE_WQ_RASTER``, m /
+n / h, and ``MXMOE_WQ_SWIZZLE``, an integer; they export ``NAME_raster_from_env``) are given by
+``MXMOE_CUTLASS_WQ_LIB`` / ``MXMOE_CUTLASS_WQ_DGRAD_LIB`` (the script refuses others); design
+(g) is forced at every shape, each setting's output is compared bit for bit with the build's
+own order (no variables set: CUTLASS's, AlongM), and the forward and dgrad are timed per call
+(CUDA-graph replay) against bf16 ``torch._grouped_mm`` in the same process. The builds, on a
+machine with nvcc and CUTLASS 4.2's headers (``--build-command fwd.so dgrad.so`` prints them),
+then on the H200:
 
     PYTHONPATH=src:benchmarks MXMOE_CUTLASS_WQ_LIB=<fwd.so> MXMOE_CUTLASS_WQ_DGRAD_LIB=<dgrad.so> \\
-        python3 benchmarks/wq_raster.py --settings m1,n1,m2,n2,m4,n4 --out r.json
+        python3 benchmarks/wq_raster.py --settings m1,n1 --out r.json
+
+(session 16's run, ``results/h200_design_g/wq_raster_7e20d68.*``, used a build of 7e20d68's
+source with the same ``fill_args`` lines, before they became ``RASTER=2``).
 """
 
 from __future__ import annotations
@@ -30,14 +38,39 @@ def main() -> int:
                     help="raster order (m / n / h) and swizzle size, comma separated")
     ap.add_argument("--shapes", default="0,1,2,3", help="indices into the issue's cases (3: skewed)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--build-command", nargs=2, metavar=("FWD_SO", "DGRAD_SO"),
+                    help="print the nvcc commands of the two measurement builds (E4M3 / rceil) and exit")
     args = ap.parse_args()
+    from mxmoe.kernels import cutlass_wq
+
+    if args.build_command:
+        for op, out in zip(("forward", "dgrad"), args.build_command):
+            saved = dict(cutlass_wq.OPS[op])
+            cutlass_wq.OPS[op]["RASTER"] = 2
+            try:
+                print(" ".join(cutlass_wq.build_command("e4m3", "rceil", out, op=op, cutlass="$MXMOE_CUTLASS_DIR")))
+            finally:
+                cutlass_wq.OPS[op].clear()
+                cutlass_wq.OPS[op].update(saved)
+        return 0
+    import ctypes
+
+    for op, var in (("forward", "MXMOE_CUTLASS_WQ_LIB"), ("dgrad", "MXMOE_CUTLASS_WQ_DGRAD_LIB")):
+        lib = os.environ.get(var)
+        try:
+            ok = lib is not None and hasattr(ctypes.CDLL(lib), cutlass_wq.symbol("e4m3", "rceil", "raster_from_env", op))
+        except OSError:
+            ok = False
+        if not ok:
+            print(f"{var}={lib!r} is not a measurement build (RASTER=2; --build-command prints how to make one)",
+                  file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("no CUDA device: this experiment runs on the H200", file=sys.stderr)
         return 2
     from grouped_gemm import SHAPES, SKEWED, issue_case
     from quantize import bench
 
-    from mxmoe.kernels import cutlass_wq
     from mxmoe.ops.grouped_mm import mx_grouped_mm, mx_grouped_mm_dgrad
     from mxmoe.recipe import get_recipe
 

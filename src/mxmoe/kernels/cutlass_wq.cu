@@ -30,6 +30,7 @@
 #if defined(TN) && TN == 320
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the m64n160 wgmma (below)
 #endif
+#include <cstdlib>  // getenv, atoi (RASTER 2)
 #include <cstdint>
 #include <cstdio>
 #include "cutlass/cutlass.h"
@@ -788,18 +789,31 @@ void fill_args(Args& args, int groups, void* problems, void* pa, void* pb, void*
                 hw};
   }
 #endif
-#if RASTER
+#if RASTER == 2
+  {  // a measurement build (benchmarks/wq_raster.py): the order and the swizzle from the environment
+    using RO = decltype(args.scheduler.raster_order);
+    const char* r = getenv("MXMOE_WQ_RASTER");
+    const char* z = getenv("MXMOE_WQ_SWIZZLE");
+    if (r) args.scheduler.raster_order = r[0] == 'n' ? RO::AlongN : (r[0] == 'h' ? RO::Heuristic : RO::AlongM);
+    if (z) args.scheduler.max_swizzle_size = atoi(z);  // no effect without host problem shapes
+  }
+#elif RASTER
   // the tiles that share one block of weight rows (one per token tile of the expert) run
   // back to back instead of CUTLASS's default order for grouped problems (AlongM: every block
   // of weight rows for one token tile): the dgrad at (65536, 7168, 2048, 64), whose weight
-  // operand per expert (29 MB) is seven times its tokens', ran 0.848-0.851x instead of 0.819x
-  // (benchmarks/wq_raster.py, session 16); the same elsewhere within noise
+  // operand per expert (29 MB) is seven times its tokens', ran 0.848-0.851x instead of
+  // 0.817-0.821x (benchmarks/wq_raster.py, session 16); no change at (16384, 2048, 1408, 64);
+  // slower at the skewed E = 16 routing (0.815 against 0.834), which the dgrad's bound
+  // (cutlass_wq.MAX_TOKENS_PER_EXPERT_DGRAD) leaves to design (a)
   args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongN;
 #endif
 }
 }  // namespace
 
 extern "C" {
+#if RASTER == 2
+int CAT(NAME, _raster_from_env)() { return 1; }  // marks a measurement build for benchmarks/wq_raster.py
+#endif
 // Allocates the per-group stride arrays (every group has the same strides) for groups
 // experts of Nout x K weights. Returns 0 on success.
 int CAT(NAME, _setup)(int groups, int nout, int k, int chunk) {

@@ -94,7 +94,7 @@ SCALE_MODES = {"rceil": 0, "floor": 1}
 MAX_TOKENS_PER_EXPERT = 640
 # the dgrad's bound (session 16, its tile order walking the token tiles first): (g) 0.848-0.851x
 # against (a)'s 0.82-0.85x at 1024 tokens per expert, 0.80x against 0.88-0.91x at 2048;
-# 1152 = 1024 + 1/8 lies between
+# 1152 = 1024 x 9/8 lies between (a bound, not a measured crossover)
 MAX_TOKENS_PER_EXPERT_DGRAD = 1152
 _ALIGN = 8  # K and N multiples of 8 bf16 (TMA's 16-byte rows of x and w, and of the output)
 
