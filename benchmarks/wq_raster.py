@@ -48,11 +48,15 @@ def main() -> int:
             saved = dict(cutlass_wq.OPS[op])
             cutlass_wq.OPS[op]["RASTER"] = 2
             try:
-                print(" ".join(cutlass_wq.build_command("e4m3", "rceil", out, op=op, cutlass="$MXMOE_CUTLASS_DIR")))
+                where = cutlass_wq.cutlass_dir() or "$MXMOE_CUTLASS_DIR"  # a placeholder where none is found
+                print(" ".join(cutlass_wq.build_command("e4m3", "rceil", out, op=op, cutlass=where)))
             finally:
                 cutlass_wq.OPS[op].clear()
                 cutlass_wq.OPS[op].update(saved)
         return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: this experiment runs on the H200", file=sys.stderr)
+        return 2
     import ctypes
 
     for op, var in (("forward", "MXMOE_CUTLASS_WQ_LIB"), ("dgrad", "MXMOE_CUTLASS_WQ_DGRAD_LIB")):
@@ -62,12 +66,9 @@ def main() -> int:
         except OSError:
             ok = False
         if not ok:
-            print(f"{var}={lib!r} is not a measurement build (RASTER=2; --build-command prints how to make one)",
-                  file=sys.stderr)
+            what = "is not set" if lib is None else f"={lib} is not a measurement build"
+            print(f"{var} {what} (RASTER=2; --build-command prints how to make one)", file=sys.stderr)
             return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: this experiment runs on the H200", file=sys.stderr)
-        return 2
     from grouped_gemm import SHAPES, SKEWED, issue_case
     from quantize import bench
 

@@ -123,6 +123,9 @@ def test_step_time_is_the_median_and_few_timed_steps_are_flagged(tmp_path):
     text = build_report(tmp_path / "b").read_text()
     assert f"**Speed from too few steps:** bf16 {10 - WARMUP_STEPS_SKIPPED} timed step(s)" in text
     assert "mxfp8 15" not in text
+    speed = [line for line in text.splitlines() if line.startswith("| mxfp8 | tokens/s")]
+    assert len(speed) == 1 and "(unreliable: too few timed steps)" in speed[0]
+    assert "unreliable" not in build_report(tmp_path / "a").read_text()
 
 
 def test_report_targets_met_and_equal_memory_is_a_miss(tmp_path):
