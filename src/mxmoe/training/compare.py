@@ -341,6 +341,11 @@ class RunSummary:
     cuda_graph: bool = False
     timed_steps: int = 0
 
+    @property
+    def few_timed_steps(self) -> bool:
+        """Fewer than MIN_TIMED_STEPS steps behind ms_per_step: its speed says little."""
+        return self.timed_steps < MIN_TIMED_STEPS
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The JSON lines of a metrics file (a torn last line from a crash is skipped)."""
@@ -426,7 +431,7 @@ def check_targets(run: RunSummary, base: RunSummary) -> list[TargetCheck]:
         ("met" if met else f"missed by {SPEED_TARGET_RATIO - ratio:.3f}x: {ratio:.3f}x of bf16 against at least "
                            f"{SPEED_TARGET_RATIO:g}x ({short:,.0f} tok/s short of "
                            f"{SPEED_TARGET_RATIO * base.tokens_per_s:,.0f} tok/s)")
-        + (" (unreliable: too few timed steps)" if min(run.timed_steps, base.timed_steps) < MIN_TIMED_STEPS else "")))
+        + (" (unreliable: too few timed steps)" if run.few_timed_steps or base.few_timed_steps else "")))
     diff = run.peak_mem_gib - base.peak_mem_gib
     met = diff < 0
     checks.append(TargetCheck(
@@ -491,7 +496,7 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
         lines.append(f"| {r.recipe} | {r.final_train_loss:.4f} | {r.final_val_loss:.4f} | {vgap} | {tgap} "
                      f"| {r.tokens_per_s:,.0f} | {r.ms_per_step:.1f} | {r.peak_mem_gib:.3f} "
                      f"| {_fmt(None if u is None else 100 * u, '.2f')}{'' if u is None else '%'} | {speedup} |")
-    few = [r for r in runs if r.timed_steps < MIN_TIMED_STEPS]
+    few = [r for r in runs if r.few_timed_steps]
     if few:
         lines += ["", "**Speed from too few steps:** " + ", ".join(f"{r.recipe} {r.timed_steps}" for r in few)
                   + f" timed step(s) (at least {MIN_TIMED_STEPS} after the first {WARMUP_STEPS_SKIPPED} are "
