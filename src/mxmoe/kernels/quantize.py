@@ -14,7 +14,6 @@ Ops (FP8 elements only: fmt "e4m3" or "e5m2"; mode "rceil" or "floor"; block siz
 | ``fake_quantize`` | x, dim | dequantize(quantize(x along dim)) in one pass |
 | ``fake_quantize_grouped_colwise`` | x (T, C), offsets | dequantized (Tp, C) (not transposed), padded offsets |
 | ``fake_quantize_grouped_colwise_pair`` | a (T, CA), b (T, CB), offsets | both of the above in one launch |
-| ``fake_quantize_grouped_colwise_pair_unpadded`` | a (T, CA), b (T, CB), offsets | the same values in the tokens' own rows: (T, CA), (T, CB) |
 
 ``blocked=True`` writes the scales in the Blackwell blocked layout instead (equal to
 :func:`~mxmoe.to_blocked_scales` of the plain scales; for 3-D inputs one blocked matrix
@@ -518,7 +517,7 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
                                             what="grouped token quantizer (tokens)")](
             x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, dq, Tp,
             ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], E_POW2=e_pow2,
-            BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"], PADDED=True,
+            BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
         )
     if not write_q:
         return out
@@ -681,11 +680,18 @@ def _(x, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
     return x.new_empty(Tp, C, dtype=out_dtype), offsets.new_empty(offsets.shape, dtype=torch.int32)
 
 
-def _grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str, mode: str, out_dtype: torch.dtype,
-                          padded: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The launch of :func:`fake_quantize_grouped_colwise_pair` (padded: (Tp, C) outputs) and
-    :func:`fake_quantize_grouped_colwise_pair_unpadded` ((T, C) outputs, the tokens' own rows).
-    Returns the two outputs and the padded offsets (E,) int32."""
+@torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise_pair", mutates_args=())
+def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
+                                       out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fake_quantize_grouped_colwise` of two tensors with the same rows (the wgrad
+    operands dY (T, CA) and X (T, CB)) in one launch, the padded layout computed once:
+    returns (Tp, CA), (Tp, CB) and the padded offsets (E,) int32, each bit for bit the
+    single-tensor result.
+
+    Raises:
+        TypeError: out_dtype not float32/bfloat16.
+        ValueError: a or b not 2-D, different row counts or devices, bad offsets.
+    """
     if out_dtype not in _DQ_DTYPES:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check_tensor(a, "a")
@@ -699,9 +705,8 @@ def _grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str, mode:
     CB = b.shape[1]
     E = offsets.numel()
     block_starts, padded_offsets, Tp = group_layout(offsets, T)
-    rows = Tp if padded else T
-    da = torch.empty(rows, CA, dtype=out_dtype, device=a.device)
-    db = torch.empty(rows, CB, dtype=out_dtype, device=a.device)
+    da = torch.empty(Tp, CA, dtype=out_dtype, device=a.device)
+    db = torch.empty(Tp, CB, dtype=out_dtype, device=a.device)
     if not (Tp and E):  # no tokens to read: zeros
         return da.zero_(), db.zero_(), padded_offsets
     cfg, block_g, block_c = _grouped_tok_settings()
@@ -714,24 +719,8 @@ def _grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str, mode:
         T, offsets, block_starts, E, Tp,
         ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
         E_POW2=triton.next_power_of_2(E + 1), BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
-        PADDED=padded,
     )
     return da, db, padded_offsets
-
-
-@torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise_pair", mutates_args=())
-def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fmt: str = "e4m3", mode: str = "rceil",
-                                       out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`fake_quantize_grouped_colwise` of two tensors with the same rows (the wgrad
-    operands dY (T, CA) and X (T, CB)) in one launch, the padded layout computed once:
-    returns (Tp, CA), (Tp, CB) and the padded offsets (E,) int32, each bit for bit the
-    single-tensor result.
-
-    Raises:
-        TypeError: out_dtype not float32/bfloat16.
-        ValueError: a or b not 2-D, different row counts or devices, bad offsets.
-    """
-    return _grouped_colwise_pair(a, b, offsets, fmt, mode, out_dtype, padded=True)
 
 
 @fake_quantize_grouped_colwise_pair.register_fake
@@ -739,28 +728,3 @@ def _(a, b, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
     Tp = BLOCK * (a.shape[0] // BLOCK + offsets.shape[0])
     return (a.new_empty(Tp, a.shape[1], dtype=out_dtype), a.new_empty(Tp, b.shape[1], dtype=out_dtype),
             offsets.new_empty(offsets.shape, dtype=torch.int32))
-
-
-@torch.library.custom_op("mxmoe::fake_quantize_grouped_colwise_pair_unpadded", mutates_args=())
-def fake_quantize_grouped_colwise_pair_unpadded(a: Tensor, b: Tensor, offsets: Tensor, fmt: str = "e4m3",
-                                                mode: str = "rceil",
-                                                out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor]:
-    """:func:`fake_quantize_grouped_colwise_pair` with each token's values in its own row:
-    a (T, CA), b (T, CB) -> (T, CA), (T, CB) in ``out_dtype``, row t of each holding what
-    the padded result holds at token t's padded row (the same per-expert 32-token blocks,
-    each expert's first block starting at its first token, its last block zero padded for
-    the amax only). Rows past offsets[-1] are left unwritten (torch.empty): a grouped GEMM
-    over ``offsets`` never reads them. The wgrad GEMM then contracts over the T tokens
-    instead of the padded length (up to 31 zero rows per expert fewer) and the pass writes
-    T rows instead of Tp = 32 (T // 32 + E).
-
-    Raises:
-        TypeError, ValueError: as :func:`fake_quantize_grouped_colwise_pair`.
-    """
-    da, db, _ = _grouped_colwise_pair(a, b, offsets, fmt, mode, out_dtype, padded=False)
-    return da, db
-
-
-@fake_quantize_grouped_colwise_pair_unpadded.register_fake
-def _(a, b, offsets, fmt="e4m3", mode="rceil", out_dtype=torch.bfloat16):
-    return a.new_empty(a.shape[0], a.shape[1], dtype=out_dtype), a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)

@@ -954,9 +954,8 @@ def _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr
     """The t8 read of G consecutive 32-token blocks (from blk0) of the per-expert padded
     layout x BLOCK_C columns (from pid_c * BLOCK_C): eight tensors x_k (4 G, BLOCK_C) in x's
     dtype, row i of x_k being token 8 (i % 4) + k of block blk0 + i // 4 (zero past its
-    expert's tokens or past C); also the columns (BLOCK_C,) int64 and their mask, and the
-    sorted token of x_0's rows (4 G, 1) with its expert's end (4 G, 1) (token 8 (i % 4) + k
-    of a block is t0 + k). HAS_SRC: sorted token t is row src[t] of x."""
+    expert's tokens or past C); also the columns (BLOCK_C,) int64 and their mask. HAS_SRC:
+    sorted token t is row src[t] of x."""
     tok0, tok_end = _block_tokens_v(blk0 + tl.arange(0, G), ends_ptr, block_starts_ptr, E, T, E_POW2)
     i = tl.arange(0, 4 * G)
     t0 = tl.reshape(tl.broadcast_to(tok0[:, None], (G, 4)), (4 * G,)) + 8 * (i % 4)
@@ -974,7 +973,7 @@ def _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr
           _load_token8(base, src_ptr, t0 + 5, t_end, c_in, stride_xt, HAS_SRC),
           _load_token8(base, src_ptr, t0 + 6, t_end, c_in, stride_xt, HAS_SRC),
           _load_token8(base, src_ptr, t0 + 7, t_end, c_in, stride_xt, HAS_SRC))
-    return xs, cols, c_ok, t0, t_end
+    return xs, cols, c_ok
 
 
 @triton.jit
@@ -1117,7 +1116,7 @@ def _mx_grouped_col_t8_kernel(
     the token permute fused into the read (T then counts sorted rows)."""
     G: tl.constexpr = BLOCK_T // 32
     blk0 = tl.program_id(1) * G
-    xs, cols, c_ok, _, _ = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, src_ptr,
+    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, src_ptr,
                                     tl.program_id(0), blk0, E_POW2, G, BLOCK_C, HAS_SRC)
     _colwise_t8(xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7], q_ptr, s_ptr, 0, Tp, blk0, cols, c_ok,
                 C, C128, ELEM, MODE, BLOCKED, HW_ROUND, SOFT_CASTS, FMAX, G, BLOCK_C, STAGED)
@@ -1127,28 +1126,24 @@ def _mx_grouped_col_t8_kernel(
 def _grouped_tok_dq_tile(
     x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, d_ptr, Tp, pid_c, blk0,
     ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
-    E_POW2: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr, PADDED: tl.constexpr,
+    E_POW2: tl.constexpr, G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One program's tile of :func:`_mx_grouped_tok_dq_kernel`: G padded 32-token blocks
-    from ``blk0`` x BLOCK_C columns from ``pid_c * BLOCK_C``. PADDED: written to the blocks'
-    rows of the padded layout (Tp rows, zeros past an expert's tokens); else to the tokens'
-    own rows of a (T, C) output (only the experts' tokens are written)."""
+    from ``blk0`` x BLOCK_C columns from ``pid_c * BLOCK_C``."""
     i = tl.arange(0, 4 * G)
     p0 = ((blk0 + i // 4).to(tl.int64) * 32 + 8 * (i % 4))[:, None]  # output row of x_0's rows
-    xs, cols, c_ok, t0, t_end = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E,
-                                               x_ptr, pid_c, blk0, E_POW2, G, BLOCK_C, False)
+    xs, cols, c_ok = _grouped_tile8(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, x_ptr,
+                                    pid_c, blk0, E_POW2, G, BLOCK_C, False)
     _, nf_x, e_x = _col_scales8(_widen(xs[0], SOFT_CASTS), _widen(xs[1], SOFT_CASTS), _widen(xs[2], SOFT_CASTS),
                                 _widen(xs[3], SOFT_CASTS), _widen(xs[4], SOFT_CASTS), _widen(xs[5], SOFT_CASTS),
                                 _widen(xs[6], SOFT_CASTS), _widen(xs[7], SOFT_CASTS), ELEM, MODE, HW_ROUND, True,
                                 G, BLOCK_C)
     c_in = c_ok[None, :]
+    out_ok = (p0 < Tp) & c_in
     for k in tl.static_range(8):
         r, _ = _quantize_values(_widen(xs[k], SOFT_CASTS), e_x, nf_x, ELEM, HW_ROUND, False)
-        v = _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS)
-        if PADDED:
-            tl.store(d_ptr + (p0 + k) * C + cols[None, :], v, mask=(p0 < Tp) & c_in)
-        else:
-            tl.store(d_ptr + (t0 + k).to(tl.int64) * C + cols[None, :], v, mask=(t0 + k < t_end) & c_in)
+        tl.store(d_ptr + (p0 + k) * C + cols[None, :],
+                 _from_float32(_dequantized(r, e_x, nf_x), d_ptr.dtype.element_ty, SOFT_CASTS), mask=out_ok)
 
 
 @triton.jit
@@ -1157,7 +1152,7 @@ def _mx_grouped_tok_dq_kernel(
     ends_ptr, block_starts_ptr, E,  # (E,) cumulative token ends; (E + 1,) cumulative padded block starts
     d_ptr, Tp,  # dequantized values (Tp, C), row-major: the per-expert padded token layout, not transposed
     ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PADDED: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Fake quantization along tokens, each expert's tokens in their own 32-token blocks,
     written in the padded token layout without transposing: padded row 32 b + j of the
@@ -1168,7 +1163,7 @@ def _mx_grouped_tok_dq_kernel(
     its own rows, reads and writes both coalesced along C."""
     _grouped_tok_dq_tile(x_ptr, stride_xt, stride_xc, T, C, ends_ptr, block_starts_ptr, E, d_ptr, Tp,
                          tl.program_id(0), tl.program_id(1) * BLOCK_G,
-                         ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C, PADDED)
+                         ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)
 
 
 @triton.jit
@@ -1177,7 +1172,7 @@ def _mx_grouped_tok_dq_pair_kernel(
     b_ptr, stride_bt, stride_bc, CB, db_ptr,  # second tensor (T, CB) -> (Tp, CB)
     T, ends_ptr, block_starts_ptr, E, Tp,
     ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr, SOFT_CASTS: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PADDED: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """:func:`_mx_grouped_tok_dq_kernel` of two tensors with the same tokens and experts
     (the two wgrad operands dY and X) in one launch: column programs 0 .. NCA - 1 take the
@@ -1186,8 +1181,7 @@ def _mx_grouped_tok_dq_pair_kernel(
     blk0 = tl.program_id(1) * BLOCK_G
     if pid_c < NCA:
         _grouped_tok_dq_tile(a_ptr, stride_at, stride_ac, T, CA, ends_ptr, block_starts_ptr, E, da_ptr, Tp,
-                             pid_c, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C, PADDED)
+                             pid_c, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)
     else:
         _grouped_tok_dq_tile(b_ptr, stride_bt, stride_bc, T, CB, ends_ptr, block_starts_ptr, E, db_ptr, Tp,
-                             pid_c - NCA, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C,
-                             PADDED)
+                             pid_c - NCA, blk0, ELEM, MODE, HW_ROUND, SOFT_CASTS, E_POW2, BLOCK_G, BLOCK_C)
