@@ -79,9 +79,6 @@ using ElementScale = Bf16;
 #ifndef LOOP
 #define LOOP 0  // VARIANT 3's consumer loop: 0 CUTLASS's, 2 or 4 ours (below)
 #endif
-#ifndef SMEMQ
-#define SMEMQ 0  // 1 (VARIANT 3, LOOP 4, forward; session 17's measurement): quantize in shared memory
-#endif
 #ifndef WT
 #define WT 0  // 1 (VARIANT 3 only): the dgrad, A = the weight transposed (its memory M-major)
 #endif
@@ -607,62 +604,12 @@ struct Mainloop : MainloopQ {
     static_assert(kBlocks == 4, "four k-blocks per k-tile (TK = 64)");
 
     // load and quantize k-blocks [k0, k0 + n) of stage into dst
-#if SMEMQ
-    // SMEMQ (session 17, a measurement): the stage's weight tile quantized in shared memory,
-    // in place, one 32-element block per consumer thread (both warpgroups' rows), then a
-    // barrier of the consumer threads, then a plain copy into the register fragment: the
-    // quantization off the fragment's path into the wgmma
-    static_assert(!WT && LOOP == 4, "SMEMQ: the forward's K-major tile, LOOP 4");
-    static_assert(TM * TK == 32 * kWarpGroups * cutlass::NumThreadsPerWarpGroup, "one block per thread");
-    auto prepare = [&](auto& dst, int k0, int n, int stage) {
-      if (k0 == 0) {
-        const int row = thread_idx >> 1, c0 = (thread_idx & 1) * 32;
-        uint32_t p[4];  // shared-memory addresses of the block's four 16-byte chunks (swizzled)
-        uint32_t w[16];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          p[j] = cute::cast_smem_ptr_to_uint(&sA(row, c0 + 8 * j, stage));
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(w[4 * j]), "=r"(w[4 * j + 1]), "=r"(w[4 * j + 2]), "=r"(w[4 * j + 3]) : "r"(p[j]));
-        }
-        uint32_t m = 0u;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 16; ++i) m = mxq::vmax2(m, w[i] & 0x7FFF7FFFu);
-        m = mxq::vmax2(m, m >> 16) & 0xFFFFu;
-        const mxq::RowScale rs = mxq::row_scale(m);
-        if (__any_sync(0xFFFFFFFFu, rs.slow)) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 16; ++i) w[i] = mxq::decode_slow(mxq::encode_pair(w[i], rs.inv2), rs.sc);
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 16; ++i) w[i] = mxq::decode_bf16(mxq::encode_pair(w[i], rs.inv2), rs.sc2);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j)
-          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
-                       :: "r"(p[j]), "r"(w[4 * j]), "r"(w[4 * j + 1]), "r"(w[4 * j + 2]), "r"(w[4 * j + 3]) : "memory");
-        cutlass::arch::NamedBarrier::arrive_and_wait(kWarpGroups * cutlass::NumThreadsPerWarpGroup, 0);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = k0; k < k0 + n; ++k) copy(copy_A, tCsA_copy(_, _, k, stage), tCrW_view(_, _, k));
-      // a bf16x2 multiply by 1.0 per pair into the fragment (a plain register copy makes
-      // ptxas serialize the wgmmas: C7513)
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = k0; k < k0 + n; ++k) {
-        const uint32_t* a = reinterpret_cast<const uint32_t*>(raw_pointer_cast(tCrW.data())) + 4 * k;
-        uint32_t* q = reinterpret_cast<uint32_t*>(raw_pointer_cast(dst.data())) + 4 * k;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(q[i]) : "r"(a[i]), "r"(0x3F803F80u));
-      }
-    };
-#else
     auto prepare = [&](auto& dst, int k0, int n, int stage) {
       CUTLASS_PRAGMA_UNROLL
       for (int k = k0; k < k0 + n; ++k) copy(copy_A, tCsA_copy(_, _, k, stage), tCrW_view(_, _, k));
       CUTLASS_PRAGMA_UNROLL
       for (int k = k0; k < k0 + n; ++k) Utils::dequantize_A_kblock(tCrW, dst, extra, k);
     };
-#endif
     auto issue = [&](auto& src, int k0, int n, int stage) {
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
