@@ -7,7 +7,10 @@
 # The builds come from the cache folder MXMOE_CACHE_DIR (default .whl/cache, carried; fill it
 # on a machine with nvcc and CUTLASS 4.2's headers: python -c "from mxmoe.kernels import
 # cutlass_wq as c; c._build('e4m3', 'rceil', 'dgrad')" and so on for e5m2 / floor and the forward).
-# Usage (repo root): COMMIT=<sha> OUT=<dir> bash benchmarks/h200_design_g.sh [check|gemm|w8|all]
+# TORCHAO_WHEEL=<path of a torchao wheel> (the H200 machine has no network: carry it, e.g.
+# `pip download torchao==0.18.0 --no-deps -d .whl`): installed into a side folder, and part
+# "gemm" then also times torchao's emulated MXFP8 grouped GEMM (the issue's ">= 8x torchao").
+# Usage (repo root): COMMIT=<sha> OUT=<dir> [TORCHAO_WHEEL=...] bash benchmarks/h200_design_g.sh [check|gemm|w8|all]
 set -u
 PART=${1:-all}
 case "$PART" in check|gemm|w8|all) ;; *) echo "unknown part '$PART': use check, gemm, w8 or all" >&2; exit 2;; esac
@@ -23,8 +26,17 @@ if [ "$PART" = check ] || [ "$PART" = all ]; then
   grep -vE "^\s*$" "$LOG" | cut -c1-220 | tail -60
 fi
 if [ "$PART" = gemm ] || [ "$PART" = all ]; then
-  run 400 python3 benchmarks/grouped_gemm.py --no-torchao --out "$OUT/grouped_gemm.json"
-  grep -E "summary|T=|mx (fwd|dgrad)|bf16 (fwd|dgrad)" "$LOG" | tail -40
+  TAO=--no-torchao
+  if [ -n "${TORCHAO_WHEEL:-}" ]; then
+    if python3 -m pip install -q --no-deps --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1; then
+      export PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao TAO=
+      echo "torchao from $TORCHAO_WHEEL" | tee -a "$LOG"
+    else
+      echo "TORCHAO_WHEEL=$TORCHAO_WHEEL did not install (see the log): no torchao column" | tee -a "$LOG"
+    fi
+  fi
+  run 540 python3 benchmarks/grouped_gemm.py $TAO --out "$OUT/grouped_gemm.json"
+  grep -E "summary|T=|mx (fwd|dgrad)|bf16 (fwd|dgrad)|torchao" "$LOG" | tail -48
 fi
 if [ "$PART" = w8 ] || [ "$PART" = all ]; then
   run 300 python3 benchmarks/cutlass_w8.py --out "$OUT/cutlass_w8.json"
