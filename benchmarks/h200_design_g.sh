@@ -28,7 +28,7 @@ fi
 if [ "$PART" = gemm ] || [ "$PART" = all ]; then
   TAO=--no-torchao
   if [ -n "${TORCHAO_WHEEL:-}" ]; then
-    if python3 -m pip install -q --no-deps --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1; then
+    if python3 -m pip install -q --no-deps --upgrade --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1; then
       export PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao TAO=
       echo "torchao from $TORCHAO_WHEEL" | tee -a "$LOG"
     else
