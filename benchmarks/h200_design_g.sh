@@ -2,7 +2,7 @@
 # H200 sessions (issue 4, session 15 on): design (g) in the library, the forward and the dgrad
 # (mxmoe/kernels/cutlass_wq.py). Part "check": benchmarks/check_grouped_wq.py (every edge case
 # bit for bit against design (a), and the per-call ratios of both at the issue's shapes);
-# part "gemm": benchmarks/grouped_gemm.py --no-torchao (the issue's table); part "w8":
+# part "gemm": benchmarks/grouped_gemm.py (the issue's table; --no-torchao unless TORCHAO_WHEEL, below); part "w8":
 # benchmarks/cutlass_w8.py (design (b) in CUTLASS, measured, not dispatched); "all": the three.
 # The builds come from the cache folder MXMOE_CACHE_DIR (default .whl/cache, carried; fill it
 # on a machine with nvcc and CUTLASS 4.2's headers: python -c "from mxmoe.kernels import
@@ -28,11 +28,14 @@ fi
 if [ "$PART" = gemm ] || [ "$PART" = all ]; then
   TAO=--no-torchao
   if [ -n "${TORCHAO_WHEEL:-}" ]; then
-    if python3 -m pip install -q --no-deps --upgrade --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1; then
+    rm -rf /tmp/mxmoe_torchao  # a fresh side folder: no older torchao beside the wheel's
+    if python3 -m pip install -q --no-deps --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1 &&
+       PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao python3 -c "import importlib.metadata as m, \
+torchao.prototype.moe_training; print('torchao', m.version('torchao'), 'from', '$TORCHAO_WHEEL')" >>"$LOG" 2>&1; then
       export PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao TAO=
-      echo "torchao from $TORCHAO_WHEEL" | tee -a "$LOG"
+      tail -1 "$LOG"
     else
-      echo "TORCHAO_WHEEL=$TORCHAO_WHEEL did not install (see the log): no torchao column" | tee -a "$LOG"
+      echo "TORCHAO_WHEEL=$TORCHAO_WHEEL did not install or import (see the log): no torchao column" | tee -a "$LOG"
     fi
   fi
   run 540 python3 benchmarks/grouped_gemm.py $TAO --out "$OUT/grouped_gemm.json"

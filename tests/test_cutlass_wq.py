@@ -373,6 +373,24 @@ def test_cached_path_depends_on_the_build_not_on_the_machine(monkeypatch, tmp_pa
     assert cutlass_wq._build("e4m3", "rceil") == a
 
 
+def test_cached_path_does_not_depend_on_where_the_package_lies(monkeypatch, tmp_path):
+    """The same source in another checkout (another absolute path) names the same cache
+    entry, for every format, mode and op: a cache folder filled in one checkout serves
+    another (before, the source's absolute path was part of the hash, so a carried cache
+    was only found at the path it was built from); an edit of the source names a new one."""
+    monkeypatch.setenv("MXMOE_CACHE_DIR", str(tmp_path / "cache"))
+    keys = [(f, m, op) for f in ("e4m3", "e5m2") for m in ("rceil", "floor") for op in ("forward", "dgrad", "w8")]
+    here = [cutlass_wq.cached_path(*k) for k in keys]
+    other = tmp_path / "elsewhere" / "src" / "mxmoe" / "kernels" / "cutlass_wq.cu"
+    other.parent.mkdir(parents=True)
+    other.write_text(cutlass_wq.SOURCE.read_text())
+    monkeypatch.setattr(cutlass_wq, "SOURCE", other)
+    assert [cutlass_wq.cached_path(*k) for k in keys] == here
+    assert cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so")[-1] == str(other)  # the build reads that file
+    other.write_text(other.read_text() + "\n// edited\n")
+    assert all(cutlass_wq.cached_path(*k) != h for k, h in zip(keys, here))
+
+
 def test_ctypes_signatures_match_the_c_entries(monkeypatch):
     """_load's argtypes have as many entries as the C functions have parameters, of the
     right widths (a mismatch would pass garbage to the kernel on the GPU only)."""

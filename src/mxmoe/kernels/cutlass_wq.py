@@ -151,11 +151,12 @@ def symbol(fmt: str, mode: str, what: str = "forward", op: str = "forward") -> s
 
 
 def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
-                  cutlass: str | os.PathLike = "CUTLASS", op: str = "forward") -> list[str]:
+                  cutlass: str | os.PathLike = "CUTLASS", op: str = "forward",
+                  source: str | os.PathLike | None = None) -> list[str]:
     """The nvcc command that builds the library's design (g) for element format ``fmt``
     ("e4m3" / "e5m2"), scale mode ``mode`` ("rceil" / "floor") and GEMM ``op`` ("forward":
     w along K; "dgrad": w^T, along N) into the shared library ``out`` (sm_90a, the CUDA
-    runtime linked statically).
+    runtime linked statically) from ``source`` (default ``SOURCE``: the package's ``cutlass_wq.cu``).
 
     Raises:
         ValueError: an unknown format, mode or op.
@@ -166,7 +167,8 @@ def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc
     macros = {**BUILD, "MODE": SCALE_MODES[mode], **OPS[op], "FMT": FORMATS[fmt], "NAME": _name(fmt, mode, op)}
     return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
             f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
-            *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out), str(SOURCE)]
+            *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out),
+            str(SOURCE if source is None else source)]
 
 
 def _cache_dir() -> Path:
@@ -176,8 +178,9 @@ def _cache_dir() -> Path:
 def cached_path(fmt: str, mode: str, op: str = "forward") -> Path:
     """Where the build for (fmt, mode, op) is cached: ``MXMOE_CACHE_DIR`` (default
     ``~/.cache/mxmoe``), named by a hash of the source and the build settings (not of the
-    nvcc and CUTLASS locations, so a cache folder can be copied to another machine)."""
-    cmd = build_command(fmt, mode, "OUT", op=op)
+    nvcc and CUTLASS locations, nor of where the package lies, so a cache folder can be
+    copied to another machine or checkout)."""
+    cmd = build_command(fmt, mode, "OUT", op=op, source=SOURCE.name)
     digest = hashlib.sha256((SOURCE.read_text() + "\0".join(cmd)).encode()).hexdigest()[:16]
     return _cache_dir() / f"cutlass_wq_{_name(fmt, mode, op)[2:]}_{digest}.so"
 
