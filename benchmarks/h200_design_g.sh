@@ -30,8 +30,10 @@ if [ "$PART" = gemm ] || [ "$PART" = all ]; then
   if [ -n "${TORCHAO_WHEEL:-}" ]; then
     rm -rf /tmp/mxmoe_torchao  # a fresh side folder: no older torchao beside the wheel's
     if python3 -m pip install -q --no-deps --target /tmp/mxmoe_torchao "$TORCHAO_WHEEL" >>"$LOG" 2>&1 &&
-       PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao python3 -c "import importlib.metadata as m, \
-torchao.prototype.moe_training; print('torchao', m.version('torchao'), 'from', '$TORCHAO_WHEEL')" >>"$LOG" 2>&1; then
+       PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao python3 -c "import sys, importlib.metadata as m
+from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm  # what grouped_gemm.py calls
+from torchao.quantization.quantize_.common import KernelPreference
+print('torchao', m.version('torchao'), 'from', sys.argv[1])" "$TORCHAO_WHEEL" >>"$LOG" 2>&1; then
       export PYTHONPATH=$PYTHONPATH:/tmp/mxmoe_torchao TAO=
       tail -1 "$LOG"
     else
