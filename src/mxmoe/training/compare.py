@@ -34,7 +34,7 @@ from typing import Any
 from ..recipe import RECIPES
 from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes
 from .data import Corpus, eval_batches, load_corpus
-from .trainer import CONFIG_NAME, METRICS_NAME, TrainConfig, holds_run, resolve_device
+from .trainer import CONFIG_NAME, METRICS_NAME, WARMUP_STEPS_SKIPPED, TrainConfig, holds_run, resolve_device
 
 BASELINE_RECIPE = "bf16"
 RESULT_NAME = "result.json"
@@ -43,9 +43,8 @@ PLOT_NAME = "loss.png"
 # Targets of the comparison issue, for every quantized recipe against bf16.
 VAL_LOSS_GAP_TARGET_PCT = 1.0  # final validation loss at most 1% above bf16's
 SPEED_TARGET_RATIO = 0.95  # tokens/s at least 0.95x bf16's
-# Steady-state speed: train steps after the first WARMUP_STEPS_SKIPPED (allocator and kernel
-# warm-up), as the trainer's summary line does.
-WARMUP_STEPS_SKIPPED = 5
+# Steady-state speed: train steps after the first WARMUP_STEPS_SKIPPED (the trainer's constant:
+# allocator and kernel warm-up), as the trainer's summary line does.
 # The step time is the median of those steps (one slow step, e.g. a page-in or another
 # process's burst on the CPU, would move a mean of a few steps by a factor); with fewer than
 # this many timed steps the report says the speed figures are not to be relied on.

@@ -32,6 +32,9 @@ from .step import TrainStep
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
+# Steady-state speed: the step time skips the first WARMUP_STEPS_SKIPPED steps (allocator and
+# kernel warm-up), here and in compare.py's reading of metrics.jsonl
+WARMUP_STEPS_SKIPPED = 5
 _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
@@ -451,7 +454,7 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     val_losses = [m["val_loss"] for m in lines if m["kind"] == "eval"]
     steps_run = len(step_times)
     # steady-state speed: skip the first steps (allocator and kernel warm-up)
-    timed = step_times[min(5, steps_run // 2):] or step_times or [float("nan")]
+    timed = step_times[min(WARMUP_STEPS_SKIPPED, steps_run // 2):] or step_times or [float("nan")]
     step_s = statistics.median(timed)  # robust to one slow step (compare.py reads it the same way)
     return TrainResult(
         first_loss=train_losses[0] if train_losses else float("nan"),
