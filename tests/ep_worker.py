@@ -149,8 +149,10 @@ def layer_checks() -> dict:
 def tiny_train_config(out: Path, data: str, P: int, recipe: str, **kw) -> TrainConfig:
     model = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=64, max_seq_len=32,
                         mx_dispatch=kw.pop("mx_dispatch", False), dtype=kw.pop("dtype", "bfloat16"))
+    # device "cpu": the ranks run gloo on the CPU, also on a machine with a GPU ("auto" would pick it)
     base = dict(recipe=recipe, batch_size=4, seq_len=32, steps=6, eval_interval=3, eval_batches=1, ckpt_interval=3,
-                warmup_steps=2, out_dir=str(out), data=data, progress=False, model=model, expert_parallel=P)
+                warmup_steps=2, out_dir=str(out), data=data, progress=False, model=model, expert_parallel=P,
+                device="cpu")
     base.update(kw)
     return TrainConfig(**base)
 

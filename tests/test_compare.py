@@ -293,7 +293,8 @@ def test_compare_reuse_resumes_an_interrupted_recipe_exactly(tmp_path, text_file
     assert [p.action for p in plan_runs(cfg, ("mxfp8",), out, reuse=True)] == ["resume"]
     assert worker.main([json.dumps(recipe_config(cfg, "mxfp8", out).to_dict()), "--resume"]) == 0
     assert (out / "mxfp8" / "metrics.jsonl").read_bytes() == metrics
-    assert json.loads((out / "mxfp8" / "result.json").read_text())["memory_kind"] == "process_peak_rss"
+    kind = "cuda_max_memory_allocated" if torch.cuda.is_available() else "process_peak_rss"  # device "auto"
+    assert json.loads((out / "mxfp8" / "result.json").read_text())["memory_kind"] == kind
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -17,6 +17,10 @@ from mxmoe.kernels import cutlass_wq
 from mxmoe.ops.grouped_mm import mx_grouped_mm
 from mxmoe.recipe import get_recipe
 
+# the tables' and the quantizers' Triton kernels run on CUDA tensors where a GPU is present,
+# in the interpreter on CPU tensors otherwise (tests/conftest.py)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def test_build_command_builds_the_measured_variant_for_each_format_mode_and_op():
     """The library's build is benchmarks/cutlass_mixed.py's q9x family (128 x 320 tiles, QDQ
@@ -74,11 +78,11 @@ def test_group_tables_from_offsets():
 
     for sizes in ([162, 0, 2577, 446, 0, 83], [3] * (BLOCK + 7), [0, 0, 5]):
         E, N, K = len(sizes), 64, 48
-        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
         T = int(offs[-1]) + 9
-        w = torch.zeros(E, N, K, dtype=torch.bfloat16)
-        x = torch.zeros(T, K, dtype=torch.bfloat16)
-        out = torch.empty(T, N, dtype=torch.bfloat16)
+        w = torch.zeros(E, N, K, dtype=torch.bfloat16, device=DEV)
+        x = torch.zeros(T, K, dtype=torch.bfloat16, device=DEV)
+        out = torch.empty(T, N, dtype=torch.bfloat16, device=DEV)
         problems, pa, pb, pd = group_tables(offs, w, x, out)
         starts = [0] + offs[:-1].tolist()
         assert problems.dtype == torch.int32 and problems.tolist() == [[N, s, K] for s in sizes]
@@ -122,9 +126,10 @@ def test_group_tables_of_the_dgrad():
 
     sizes = [7, 0, 20, 3]
     E, N, K = len(sizes), 24, 40
-    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    w = torch.zeros(E, N, K, dtype=torch.bfloat16)
-    dy, dx = torch.zeros(30, N, dtype=torch.bfloat16), torch.empty(30, K, dtype=torch.bfloat16)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).to(DEV)
+    w = torch.zeros(E, N, K, dtype=torch.bfloat16, device=DEV)
+    dy = torch.zeros(30, N, dtype=torch.bfloat16, device=DEV)
+    dx = torch.empty(30, K, dtype=torch.bfloat16, device=DEV)
     problems, pa, pb, pd = group_tables(offs, w.transpose(1, 2), dy, dx)
     starts = [0] + offs[:-1].tolist()
     assert problems.tolist() == [[K, s, N] for s in sizes]
@@ -139,9 +144,10 @@ def test_group_tables_clamp_offsets_outside_the_contract():
     past out)."""
     from mxmoe.kernels.group_tables import group_tables
 
-    offs = torch.tensor([50, 30, 120, 90, 400], dtype=torch.int32)  # T = 100
-    w = torch.zeros(5, 8, 16, dtype=torch.bfloat16)
-    x, out = torch.zeros(100, 16, dtype=torch.bfloat16), torch.empty(100, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([50, 30, 120, 90, 400], dtype=torch.int32, device=DEV)  # T = 100
+    w = torch.zeros(5, 8, 16, dtype=torch.bfloat16, device=DEV)
+    x = torch.zeros(100, 16, dtype=torch.bfloat16, device=DEV)
+    out = torch.empty(100, 8, dtype=torch.bfloat16, device=DEV)
     problems, _, pb, _ = group_tables(offs, w, x, out)
     assert problems[:, 1].tolist() == [50, 0, 70, 0, 10]  # each group: [previous end, its end] clamped to [0, T]
     assert pb.tolist() == [x.data_ptr() + r * 32 for r in (0, 50, 30, 100, 90)]
@@ -485,6 +491,7 @@ def test_design_b_weight_copy_and_tables():
 
     torch.manual_seed(0)
     w = (torch.randn(3, 128, 192) * torch.exp2(torch.randint(-20, 20, (3, 128, 1)).float())).to(torch.bfloat16)
+    w = w.to(DEV)
     w[1, 5, 7] = float("inf")
     for name in ("mxfp8", "mxfp8-floor"):
         r = get_recipe(name)
@@ -500,8 +507,9 @@ def test_design_b_weight_copy_and_tables():
             want = want if op == "forward" else want.transpose(1, 2)
             assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~got.isnan()])
             assert torch.equal(got.isnan(), want.isnan())
-    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
-    a, out = torch.zeros(40, kc, dtype=torch.bfloat16), torch.zeros(40, nout, dtype=torch.bfloat16)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32, device=DEV)
+    a = torch.zeros(40, kc, dtype=torch.bfloat16, device=DEV)
+    out = torch.zeros(40, nout, dtype=torch.bfloat16, device=DEV)
     problems, pa, pb, ps, pd = group_tables(offs, codes, a, out, s)  # the C entry's order
     assert problems.tolist() == [[nout, n, kc] for n in (10, 0, 30)]
     assert pa.tolist() == [codes[e].data_ptr() for e in range(3)] and ps.tolist() == [s[e].data_ptr() for e in range(3)]
@@ -596,10 +604,10 @@ def test_design_b_arguments_are_checked():
     """grouped_mm_w8 and weight_copy_w8 refuse operands they were not made for (a wrong
     element size or shape would make the kernel read or write outside them)."""
     r = get_recipe("mxfp8")
-    w = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 128, dtype=torch.bfloat16, device=DEV)
     codes, s = cutlass_wq.weight_copy_w8(w, r, "forward")
-    offs = torch.tensor([3, 8], dtype=torch.int32)
-    with pytest.raises(ValueError, match="CUDA device"):
+    offs = torch.tensor([3, 8], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="CUDA device"):  # aq on the CPU (and, without a GPU, all of them)
         cutlass_wq.grouped_mm_w8(torch.zeros(8, 128, dtype=torch.bfloat16), codes, s, offs, r)
     with pytest.raises(ValueError, match="aq must be bfloat16"):
         cutlass_wq.grouped_mm_w8(torch.zeros(8, 128), codes, s, offs, r)
@@ -611,9 +619,9 @@ def test_design_b_arguments_are_checked():
     with pytest.raises(ValueError, match="scales must be uint16"):
         cutlass_wq.grouped_mm_w8(torch.zeros(8, 128, dtype=torch.bfloat16), codes, s.transpose(1, 2), offs, r)
     with pytest.raises(ValueError, match="multiple of 64"):
-        cutlass_wq.weight_copy_w8(torch.randn(2, 64, 96, dtype=torch.bfloat16), r, "forward")
+        cutlass_wq.weight_copy_w8(torch.randn(2, 64, 96, dtype=torch.bfloat16, device=DEV), r, "forward")
     with pytest.raises(ValueError, match="N = 32"):
-        cutlass_wq.weight_copy_w8(torch.randn(2, 32, 128, dtype=torch.bfloat16), r, "dgrad")
+        cutlass_wq.weight_copy_w8(torch.randn(2, 32, 128, dtype=torch.bfloat16, device=DEV), r, "dgrad")
     with pytest.raises(ValueError, match="'forward'.*'dgrad'"):
         cutlass_wq.weight_copy_w8(w, r, "wgrad")
 

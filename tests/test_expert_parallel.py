@@ -257,7 +257,8 @@ def test_torchrun_cli_mx_dispatch_matches_single_process(tmp_path, text_file):
     """``torchrun --nproc-per-node 2 -m mxmoe train --expert-parallel 2 --mx-dispatch``:
     only rank 0 reports and writes; the losses are those of one process with
     ``--mx-dispatch`` (the exact single-process equivalent)."""
-    flags = TINY + ["--recipe", "mxfp8", "--mx-dispatch", "--data", str(text_file)]
+    # on the CPU, as every test here (gloo), also where a GPU is present
+    flags = TINY + ["--recipe", "mxfp8", "--mx-dispatch", "--device", "cpu", "--data", str(text_file)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -362,11 +363,12 @@ def test_wire_format_equals_single_process_rounding(d_model, recipe, dtype, back
     """Rows packed (codes + scales), moved as bytes, unpacked: bit-equal to the rounding the
     single-process ``mx_dispatch`` option applies; the bytes per row are D_pad + D_pad / 32."""
     rec = get_recipe(recipe, backend=backend)
-    x = (torch.randn(53, d_model) * torch.logspace(-3, 3, 53).unsqueeze(1)).to(dtype)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    x = (torch.randn(53, d_model) * torch.logspace(-3, 3, 53).unsqueeze(1)).to(dtype).to(dev)
     x[5] = 0.0
     buf = pack_mx_rows(x, rec)
     assert buf.dtype == torch.uint8 and buf.shape == (53, mx_row_bytes(d_model, 32))
-    perm = torch.randperm(53)
+    perm = torch.randperm(53, device=dev)
     want = mx_round_rows(x, rec)
     got = unpack_mx_rows(buf[perm], d_model, rec, dtype)  # any routing of whole rows
     assert got.dtype == dtype and torch.equal(got, want[perm])

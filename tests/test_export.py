@@ -46,8 +46,8 @@ def metrics_val_loss(run: Path) -> float:
 
 
 def test_quantized_keys_are_every_matrix_but_embedding_lm_head_and_router(run_dir):
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
-    cfg = TrainConfig.from_dict(torch.load(run_dir / "checkpoint.pt", weights_only=False)["train_config"]).model
+    state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    cfg = TrainConfig.from_dict(torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["train_config"]).model
     matrices = {k for k, v in state.items() if v.dim() >= 2 and "router" not in k and k not in ("embed", "lm_head")}
     assert set(quantized_weight_keys(cfg)) == matrices
     assert "blocks.0.ffn.w13" in matrices and "blocks.1.ffn.shared.w2" in matrices
@@ -57,7 +57,7 @@ def test_quantized_keys_are_every_matrix_but_embedding_lm_head_and_router(run_di
 
 
 def test_mxfp8_export_round_trip_is_bit_exact(run_dir, tmp_path):
-    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     state = ckpt["model"]
     path = tmp_path / "model.safetensors"
     meta = export_checkpoint(run_dir, path, "mxfp8")
@@ -105,7 +105,7 @@ def test_eval_of_checkpoint_equals_the_runs_own_val_loss_and_exports_stay_close(
         assert f"val loss {r.val_loss:.6f}" in capsys.readouterr().out
     floor = export_checkpoint(run_dir, tmp_path / "floor.safetensors", scale_mode="floor")
     assert floor["scale_mode"] == "floor"
-    w = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]["blocks.1.ffn.experts.w13"]
+    w = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]["blocks.1.ffn.experts.w13"]
     got = load_export(tmp_path / "floor.safetensors").state["blocks.1.ffn.experts.w13"]
     assert torch.equal(got, mxmoe.quantize_mx(w, "e4m3", dim=-1, scale_mode="floor").dequantize())
 

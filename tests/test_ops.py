@@ -11,6 +11,10 @@ import torch
 
 from mxmoe import get_recipe, mx_grouped_mm, mx_linear, quantize_mx
 
+# where the Triton kernels of the tests below run: on CUDA tensors where a GPU is present,
+# in the interpreter on CPU tensors otherwise (tests/conftest.py)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # SQNR floors in dB against the unquantized float64 computation, one table. Measured on
 # the CPU with the inputs of test_sqnr_floors (Gaussian x and dy, w / 16; float32 inputs;
 # group sizes [162, 0, 257, 46, 0, 83]), same for the grouped and the dense op:
@@ -329,7 +333,7 @@ def test_fake_quantize_rowcol_is_the_two_separate_passes(T, C, dtype, backend):
     from mxmoe.ops.quantize import fake_quantize, fake_quantize_rowcol
 
     gen = torch.Generator().manual_seed(T * 7 + C)
-    x = octave_spread(T + 3, C, gen, axis=1).to(dtype)[1:T + 1]  # a view with an offset
+    x = octave_spread(T + 3, C, gen, axis=1).to(dtype).to(DEV)[1:T + 1]  # a view with an offset
     x[T // 2, C // 2] = float("nan")
     x[0, -1] = float("-inf")
     for xin in (x, x.t().contiguous().t()):
@@ -345,7 +349,7 @@ def test_fake_quantize_rowcol_op_schema():
     pytest.importorskip("triton")
     import mxmoe.kernels.quantize  # noqa: F401  (registers the op)
 
-    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, device=DEV)
     torch.library.opcheck(torch.ops.mxmoe.fake_quantize_rowcol.default, (x, "e4m3", "rceil", torch.bfloat16),
                           test_utils=("test_schema", "test_faketensor"))
 
