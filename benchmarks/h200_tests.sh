@@ -26,5 +26,5 @@ echo "=== python3 -m pytest $* (limit ${LIMIT_S:-580}s)" | tee -a "$LOG"
 timeout "${LIMIT_S:-580}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" >>"$LOG" 2>&1
 rc=$?
 echo "=== rc=$rc" | tee -a "$LOG"
-grep -E "^(FAILED|ERROR)|passed|failed" "$LOG" | tail -40
+grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)|^=== rc" "$LOG"
 exit $rc

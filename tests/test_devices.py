@@ -17,13 +17,41 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torch_load_calls(path: Path) -> list[tuple[int, bool]]:
-    """(line, names map_location) of each ``torch.load(...)`` call in a Python file."""
-    calls = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-            calls.append((node.lineno, any(k.arg == "map_location" for k in node.keywords)))
-    return calls
+    """(line, names a map location) of each call of ``torch.load`` in a Python file, also
+    through ``import torch as T``, ``from torch import load [as f]`` and
+    ``torch.serialization.load``; ``map_location=None`` counts as none, ``**kwargs`` too."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    torch_names, serialization_names, load_names = {"torch"}, set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch":
+                    torch_names.add(a.asname or "torch")
+                elif a.name == "torch.serialization" and a.asname:
+                    serialization_names.add(a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "torch.serialization"):
+            for a in node.names:
+                if a.name == "load":
+                    load_names.add(a.asname or "load")
+                elif a.name == "serialization":
+                    serialization_names.add(a.asname or "serialization")
+
+    def is_load(f: ast.expr) -> bool:
+        if isinstance(f, ast.Name):
+            return f.id in load_names
+        if not (isinstance(f, ast.Attribute) and f.attr == "load"):
+            return False
+        v = f.value
+        if isinstance(v, ast.Name):
+            return v.id in torch_names or v.id in serialization_names
+        return isinstance(v, ast.Attribute) and v.attr == "serialization" and isinstance(v.value, ast.Name) \
+            and v.value.id in torch_names
+
+    def names_map_location(call: ast.Call) -> bool:
+        return any(k.arg == "map_location" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+                   for k in call.keywords) or len(call.args) >= 2
+
+    return [(n.lineno, names_map_location(n)) for n in ast.walk(tree) if isinstance(n, ast.Call) and is_load(n.func)]
 
 
 def test_every_torch_load_names_its_map_location():
@@ -38,6 +66,12 @@ def test_every_torch_load_names_its_map_location():
 
 def test_the_checker_sees_a_load_without_map_location(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("import torch\nstate = torch.load('c.pt', weights_only=False)\n"
-                 "ok = torch.load('c.pt', map_location='cpu')\n")
-    assert _torch_load_calls(f) == [(2, False), (3, True)]
+    f.write_text("import torch\nimport torch as T\nfrom torch import load as ld\n"
+                 "a = torch.load('c.pt', weights_only=False)\n"      # 4: none
+                 "b = torch.load('c.pt', map_location='cpu')\n"      # 5
+                 "c = T.load('c.pt')\n"                              # 6: none
+                 "d = ld('c.pt', map_location=None)\n"               # 7: None is none
+                 "e = torch.serialization.load('c.pt', 'cpu')\n"     # 8: positional
+                 "g = torch.load('c.pt', **kw)\n"                    # 9: unknown, counted as none
+                 "h = other.load('c.pt')\n")                         # not torch's
+    assert sorted(_torch_load_calls(f)) == [(4, False), (5, True), (6, False), (7, False), (8, True), (9, False)]
