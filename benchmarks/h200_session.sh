@@ -4,6 +4,7 @@
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$OUT_DEFAULT}; mkdir -p "$OUT"
 LOG=$OUT/$LOG_NAME
-run() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
+# RUN_RC: the exit status of the last run's command (124: the limit); run itself returns 0.
+run() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; RUN_RC=$?; echo "=== rc=$RUN_RC" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 echo "commit ${COMMIT:-unknown}" | tee -a "$LOG"

@@ -22,9 +22,6 @@ rm -f "${OUT:-$OUT_DEFAULT}/$LOG_NAME"  # a fresh log: the summary below reads t
 . "$(dirname "$0")/h200_session.sh"
 export MXMOE_CACHE_DIR=${MXMOE_CACHE_DIR:-.whl/cache}
 if [ $# -eq 0 ]; then set -- tests/; fi
-echo "=== python3 -m pytest $* (limit ${LIMIT_S:-580}s)" | tee -a "$LOG"
-timeout "${LIMIT_S:-580}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@" >>"$LOG" 2>&1
-rc=$?
-echo "=== rc=$rc" | tee -a "$LOG"
+run "${LIMIT_S:-580}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "$@"
 grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)|^=== rc" "$LOG"
-exit $rc
+exit "$RUN_RC"

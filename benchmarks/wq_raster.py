@@ -44,15 +44,9 @@ def main() -> int:
     from mxmoe.kernels import cutlass_wq
 
     if args.build_command:
+        where = cutlass_wq.cutlass_dir() or "$MXMOE_CUTLASS_DIR"  # a placeholder where none is found
         for op, out in zip(("forward", "dgrad"), args.build_command):
-            saved = dict(cutlass_wq.OPS[op])
-            cutlass_wq.OPS[op]["RASTER"] = 2
-            try:
-                where = cutlass_wq.cutlass_dir() or "$MXMOE_CUTLASS_DIR"  # a placeholder where none is found
-                print(" ".join(cutlass_wq.build_command("e4m3", "rceil", out, op=op, cutlass=where)))
-            finally:
-                cutlass_wq.OPS[op].clear()
-                cutlass_wq.OPS[op].update(saved)
+            print(" ".join(cutlass_wq.build_command("e4m3", "rceil", out, op=op, cutlass=where, macros={"RASTER": 2})))
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device: this experiment runs on the H200", file=sys.stderr)

@@ -62,6 +62,11 @@ def test_the_dgrad_walks_the_token_tiles_first():
     assert "#define RASTER 0" in src and "int CAT(NAME, _raster_from_env)() { return 1; }" in src
     assert "-DRASTER=1" in cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", "nvcc", "/c", op="dgrad")
     assert not any(a.startswith("-DRASTER") for a in cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", op="forward"))
+    for op in ("forward", "dgrad"):  # wq_raster's builds: the library's command with RASTER=2 in place of the op's
+        plain = cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", "nvcc", "/c", op=op)
+        raster = cutlass_wq.build_command("e4m3", "rceil", "/tmp/x.so", "nvcc", "/c", op=op, macros={"RASTER": 2})
+        assert [a for a in raster if a != "-DRASTER=2"] == [a for a in plain if not a.startswith("-DRASTER")]
+        assert raster.count("-DRASTER=2") == 1 and cutlass_wq.OPS[op].get("RASTER") != 2
 
 
 def test_the_source_defines_the_entry_and_ships_with_the_package():

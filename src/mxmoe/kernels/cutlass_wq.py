@@ -152,11 +152,13 @@ def symbol(fmt: str, mode: str, what: str = "forward", op: str = "forward") -> s
 
 def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc",
                   cutlass: str | os.PathLike = "CUTLASS", op: str = "forward",
-                  source: str | os.PathLike | None = None) -> list[str]:
+                  source: str | os.PathLike | None = None, macros: dict[str, int] | None = None) -> list[str]:
     """The nvcc command that builds the library's design (g) for element format ``fmt``
     ("e4m3" / "e5m2"), scale mode ``mode`` ("rceil" / "floor") and GEMM ``op`` ("forward":
     w along K; "dgrad": w^T, along N) into the shared library ``out`` (sm_90a, the CUDA
     runtime linked statically) from ``source`` (default ``SOURCE``: the package's ``cutlass_wq.cu``).
+    ``macros`` overrides or adds compile-time settings of the op's (a measurement build, e.g.
+    ``{"RASTER": 2}`` for benchmarks/wq_raster.py; the library's builds take none).
 
     Raises:
         ValueError: an unknown format, mode or op.
@@ -164,10 +166,11 @@ def build_command(fmt: str, mode: str, out: str | os.PathLike, nvcc: str = "nvcc
     if fmt not in FORMATS or mode not in SCALE_MODES or op not in OPS:
         raise ValueError(f"design (g) builds for formats {sorted(FORMATS)}, scale modes {sorted(SCALE_MODES)} and "
                          f"ops {sorted(OPS)}, got {fmt!r} / {mode!r} / {op!r}")
-    macros = {**BUILD, "MODE": SCALE_MODES[mode], **OPS[op], "FMT": FORMATS[fmt], "NAME": _name(fmt, mode, op)}
+    settings = {**BUILD, "MODE": SCALE_MODES[mode], **OPS[op], **(macros or {}), "FMT": FORMATS[fmt],
+                "NAME": _name(fmt, mode, op)}
     return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-arch=sm_90a", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
             f"-I{Path(cutlass) / 'include'}", f"-I{Path(cutlass) / 'tools' / 'util' / 'include'}",
-            *[f"-D{k}={v}" for k, v in macros.items()], "-shared", "-cudart", "static", "-o", str(out),
+            *[f"-D{k}={v}" for k, v in settings.items()], "-shared", "-cudart", "static", "-o", str(out),
             str(SOURCE if source is None else source)]
 
 
