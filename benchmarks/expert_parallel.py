@@ -1,37 +1,38 @@
 """Expert parallelism on two GPUs: tokens/s per GPU against one GPU, and the all-to-all
 bytes and time per step with and without MXFP8 dispatch.
 
-    PYTHONPATH=src COMMIT=$(git rev-parse --short HEAD) python3 benchmarks/expert_parallel.py --out-dir out/ep
-    PYTHONPATH=src python3 benchmarks/expert_parallel.py --smoke --out-dir /tmp/ep_smoke   # CPU, gloo, tiny
+    PYTHONPATH=src python3 benchmarks/expert_parallel.py [--quick] [--presets default,large]   # 2 GPUs
+    PYTHONPATH=src python3 benchmarks/expert_parallel.py --smoke     # CPU, gloo, tiny model
 
 The driver (this script without --worker) runs, per preset, three training runs of the
-same model and recipe (one process each, or torchrun with --nproc-per-node 2):
+same model and recipe (one process, or torchrun with --nproc-per-node 2):
 
-- ``1 GPU``: the single-process model, ``--batch-size`` sequences per step;
+- ``1 GPU``: the single-process model, ``batch_size`` sequences per step;
 - ``EP 2``: expert parallel over 2 ranks (E / 2 experts each), global batch 2 x
-  ``--batch-size`` (the same sequences per GPU: per-GPU throughput is comparable);
+  ``batch_size`` (the same sequences per GPU: per-GPU throughput is comparable);
 - ``EP 2 + MXFP8 dispatch``: the same, the dispatched rows sent as E4M3 codes + E8M0 scales.
 
-The runs train on different batches (B sequences against 2B), so their losses are not
-comparable step for step. As a correctness check, the ``1 GPU`` run also evaluates its
-initial model (no gradient, before step 1) on the EP runs' step-1 global batch; that
-single-process cross entropy must equal the EP runs' step-1 loss (all-reduced over the
-ranks) to ``STEP1_RTOL`` (relative). The table and JSON report both and their relative
-difference; the driver exits non-zero after writing them if a run is outside.
+Every run steps with the library's step (:class:`mxmoe.train.step.TrainStep`, eager, for
+one process; :class:`mxmoe.train.step.ExpertParallelStep` on each rank). The runs train
+on different batches (B sequences against 2B), so their losses are not comparable step
+for step. As a correctness check, the ``1 GPU`` run also evaluates its initial model (no
+gradient, before step 1) on the EP runs' step-1 global batch; that cross entropy must
+equal the EP runs' step-1 loss (all-reduced over the ranks) to ``STEP1_RTOL`` (relative);
+the driver exits non-zero after writing its results if a run is outside.
 
 Each run does ``--warmup`` steps, then ``--steps`` timed steps (wall time between two
 host synchronizations per step, median). In the expert-parallel runs every collective of
 the MoE layers is bracketed by CUDA events on the current stream (count all-gather,
 dispatch, combine, and their backward exchanges) and so is the replicated-gradient
 all-reduce; bytes are what each rank sends to the other rank. The table reports per step
-and per rank: tokens/s per GPU, ms/step, dispatch (forward) MB and ms, all all-to-all MB
-and ms, gradient all-reduce ms. The JSON (``expert_parallel.json`` in ``--out-dir``) holds
-every number, the GPU name, torch version and the commit (from $COMMIT: .git may not
-travel with the tree).
+and per rank: tokens/s per GPU, x 1 GPU, ms/step, dispatch (forward) MB and ms, all
+all-to-all MB and ms, gradient all-reduce ms. The per-run logs and rank files go to
+``--work-dir`` (default: a temporary folder); the result is ``<results dir>/expert_parallel.json``.
 
 Presets (model shapes; --recipe mxfp8 by default):
 - ``default``: ``mxmoe train``'s defaults (4 layers, width 256, 8 experts of width 128,
-  top-2, 16 x 256 tokens per GPU): the run of the README's H200 rows, launch-bound.
+  top-2, 16 x 256 tokens per GPU): launch-bound.
+- ``h200``: the model of ``mxmoe train --preset h200`` (8 layers, width 512, 32 experts).
 - ``large``: 4 layers, width 2048, 16 heads, 16 experts of width 1024, top-2, 8 x 1024
   tokens per GPU: dispatch rows of 4 KiB (bf16) where the bytes matter.
 - ``smoke``: tiny, for --smoke on the CPU.
@@ -46,14 +47,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 
+SUBJECT = "expert_parallel"
 PRESETS = {
     "default": dict(layers=4, width=256, heads=4, experts=8, top_k=2, expert_width=128, seq_len=256, batch_size=16),
-    # the `--preset h200` model of mxmoe train / compare (mxmoe.cli.presets)
     "h200": dict(layers=8, width=512, heads=8, experts=32, top_k=2, expert_width=512, seq_len=512, batch_size=32),
     "large": dict(layers=4, width=2048, heads=16, experts=16, top_k=2, expert_width=1024, seq_len=1024, batch_size=8),
     "smoke": dict(layers=2, width=64, heads=2, experts=4, top_k=2, expert_width=64, seq_len=32, batch_size=2),
@@ -61,16 +64,13 @@ PRESETS = {
 EP_RANKS = 2
 RUNS = (("1 GPU", 1, False), (f"EP {EP_RANKS}", EP_RANKS, False), (f"EP {EP_RANKS} + MXFP8 dispatch", EP_RANKS, True))
 # Step-1 loss, EP run against the single-process model on the same global batch (relative).
-# CPU (smoke): measured bit-equal; tests/test_expert_parallel.py allows 1e-6 (the ranks'
-# shares are added in another order: a float32 ulp or so). CUDA: the single process runs
-# the 2B sequences in one forward and each rank B, so GEMMs of other shapes (other
-# kernels and reduction orders) leave bf16 activations an ulp (2^-8) apart in places,
-# which can flip E4M3 roundings and near-tied router choices for a few tokens; those
-# per-token differences average out over the global batch of 8k-33k tokens, expected well below
-# 1e-4 (not yet measured on the H200s), so 1e-3 leaves margin. What it catches: a loss
-# scaled by 1/P (relative 0.5), a different init, and a different batch, as in the bug
-# this check was added for (measured 2.0e-3 at the h200 preset, 7.1e-3 at smoke; at
-# large batches that is close to the tolerance, the printed difference says more).
+# CPU: the ranks' shares are added in another order than the single process's sum (a float32
+# ulp or so). CUDA: the single process runs the 2B sequences in one forward and each rank B,
+# so GEMMs of other shapes (other kernels and reduction orders) leave bf16 activations an
+# ulp (2^-8) apart in places, which can flip E4M3 roundings and near-tied router choices for
+# a few tokens; over the global batch of 8k-33k tokens those differences average out, well
+# below 1e-3. What it catches: a loss scaled by 1/P (relative 0.5), a different init, a
+# different batch.
 STEP1_RTOL = {"cpu": 1e-5, "cuda": 1e-3}
 A2A_KINDS = ("counts", "dispatch", "combine", "combine.grad", "dispatch.grad")
 MB = 1e6
@@ -85,14 +85,14 @@ def _free_port() -> int:
 # ---- worker: one training run (one process, or one rank of torchrun) ------------------
 
 def worker(args: argparse.Namespace) -> None:
-    from mxmoe.distributed import CommStats, shard_experts
+    from mxmoe.distributed import CommStats, rank_slice, shard_experts
     from mxmoe.distributed.launch import init_expert_parallel
-    from mxmoe.distributed.sync import all_reduce_grads, split_parameters
-    from mxmoe.distributed.train import rank_slice, train_step
-    from mxmoe.model import ModelConfig, MoETransformer
+    from mxmoe.distributed.sync import all_reduce_grads
+    from mxmoe.models import ModelConfig, MoETransformer
     from mxmoe.recipe import get_recipe
-    from mxmoe.training.data import load_corpus, random_batch
-    from mxmoe.training.trainer import TrainConfig, make_optimizer, resolve_device
+    from mxmoe.train.data import load_corpus, random_batch
+    from mxmoe.train.step import ExpertParallelStep, TrainStep
+    from mxmoe.train.trainer import TrainConfig, make_optimizer, resolve_device
 
     shape = PRESETS[args.preset]
     P = args.ranks
@@ -124,13 +124,18 @@ def worker(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
     opt = make_optimizer(model, cfg)
-    replicated, sharded = split_parameters(model)
     tokens = cfg.batch_size * cfg.seq_len
 
     def timed_all_reduce(params):
         n = sum(p.numel() * p.element_size() for p in params)
         with stats.record("grad_allreduce", n * (P - 1) // P * 2, n, device):  # ring: 2 (P-1)/P of the buffer
             all_reduce_grads(params)
+
+    if P > 1:
+        step_fn = ExpertParallelStep(model, opt, cfg.grad_clip, tokens, model_cfg.aux_loss_coef,
+                                     model_cfg.z_loss_coef, grad_sync=timed_all_reduce)
+    else:
+        step_fn = TrainStep(model, opt, cfg.grad_clip, device, cuda_graph=False)
 
     def sync():
         if device.type == "cuda":
@@ -145,25 +150,13 @@ def worker(args: argparse.Namespace) -> None:
         x, y = rank_slice(x, rank, P).to(device), rank_slice(y, rank, P).to(device)
         sync()
         t0 = time.perf_counter()
-        if P > 1:
-            _, reported, _ = train_step(model, opt, x, y, 3e-3, cfg, replicated, sharded, tokens,
-                                        grad_sync=timed_all_reduce)
-            loss = reported[0].item()
-        else:
-            out = model(x, y)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            for g in opt.param_groups:
-                g["lr"] = 3e-3
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = out.ce_loss.item()
+        loss = step_fn(x, y, 3e-3).ce_loss.item()  # the global batch's loss on every rank
         sync()
         if step > args.warmup:
             step_s.append(time.perf_counter() - t0)
         losses.append(loss)
     if P > 1:
-        loss_step1_global = losses[0]  # all-reduced: the global batch's cross entropy
+        loss_step1_global = losses[0]
     comm = {k: {kk: vv / args.steps for kk, vv in v.items()} for k, v in stats.summary().items()}
     med = statistics.median(step_s)
     result = {
@@ -176,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
         "loss_step1_global": loss_step1_global,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
-    out = Path(args.out_dir)
+    out = Path(args.work_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.rank{rank}.json").write_text(json.dumps(result, indent=2))
     if P > 1:
@@ -191,7 +184,7 @@ def worker(args: argparse.Namespace) -> None:
 def run_one(args: argparse.Namespace, preset: str, label: str, P: int, mx: bool) -> dict:
     tag = f"{preset}_{'single' if P == 1 else f'ep{P}'}{'_mx' if mx else ''}"
     common = [str(Path(__file__).resolve()), "--worker", "--preset", preset, "--ranks", str(P), "--tag", tag,
-              "--out-dir", args.out_dir, "--recipe", args.recipe, "--steps", str(args.steps), "--warmup",
+              "--work-dir", args.work_dir, "--recipe", args.recipe, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--device", args.device] + (["--mx-dispatch"] if mx else []) \
         + (["--data", args.data] if args.data else [])
     if P == 1:
@@ -203,11 +196,11 @@ def run_one(args: argparse.Namespace, preset: str, label: str, P: int, mx: bool)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True, capture_output=True,
                           timeout=args.timeout)
-    log = Path(args.out_dir) / f"{tag}.log"
+    log = Path(args.work_dir) / f"{tag}.log"
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise SystemExit(f"{label} ({preset}) failed with exit {proc.returncode}; log: {log}\n{proc.stderr[-3000:]}")
-    ranks = [json.loads((Path(args.out_dir) / f"{tag}.rank{r}.json").read_text()) for r in range(P)]
+    ranks = [json.loads((Path(args.work_dir) / f"{tag}.rank{r}.json").read_text()) for r in range(P)]
     return {"label": label, "tag": tag, "wall_s": time.perf_counter() - t0, "ranks": ranks}
 
 
@@ -234,83 +227,96 @@ def summarize(run: dict) -> dict:
     }
 
 
-def driver(args: argparse.Namespace) -> None:
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def driver(args: argparse.Namespace) -> int:
+    env = harness.environment()
+    print(harness.title("expert parallel over 2 ranks against one GPU", env, args), flush=True)
     presets = ["smoke"] if args.smoke else args.presets.split(",")
-    report = {"torch": torch.__version__, "commit": os.environ.get("COMMIT", "unknown"), "recipe": args.recipe,
-              "steps": args.steps, "warmup": args.warmup, "presets": {}}
-    lines, failed = [], []
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise SystemExit(f"unknown preset(s) {unknown}; use {', '.join(PRESETS)}")
+    report, rows, failed = {}, [], []
     for preset in presets:
-        rows = [summarize(run_one(args, preset, label, P, mx)) for label, P, mx in RUNS]
-        base = rows[0]["tokens_per_s_per_gpu"]
-        ref = rows[0]["loss_step1_global"]
-        rtol = STEP1_RTOL.get(rows[0]["device_type"], STEP1_RTOL["cuda"])
-        for r in rows[1:]:
-            r["loss_step1_rel_diff"] = abs(r["loss_step1_global"] - ref) / abs(ref)
+        runs = [summarize(run_one(args, preset, label, P, mx)) for label, P, mx in RUNS]
+        base = runs[0]
+        rtol = STEP1_RTOL.get(base["device_type"], STEP1_RTOL["cuda"])
+        for r in runs[1:]:
+            r["loss_step1_rel_diff"] = abs(r["loss_step1_global"] - base["loss_step1_global"]) / \
+                abs(base["loss_step1_global"])
             if not r["loss_step1_rel_diff"] <= rtol:
-                failed.append(f"{preset} / {r['label']}: step-1 loss {r['loss_step1_global']:.6f}, single process on "
-                              f"the same batch {ref:.6f}, relative difference {r['loss_step1_rel_diff']:.2e} > {rtol:g}")
-        check = {"tolerance": rtol, "ok": all(r["loss_step1_rel_diff"] <= rtol for r in rows[1:])}
-        report["presets"][preset] = {"shape": PRESETS[preset], "rows": rows, "step1_loss_check": check}
-        lines.append(f"\npreset {preset}: {PRESETS[preset]}")
-        lines.append("| run | tokens/s per GPU | x 1 GPU | ms/step | dispatch MB | dispatch ms | all-to-all MB "
-                     "| all-to-all ms | grad all-reduce ms | loss first -> last | step-1 loss, global batch "
-                     "| rel. diff |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
+                failed.append(f"{preset} / {r['label']}: step-1 loss {r['loss_step1_global']:.6f}, single process "
+                              f"on the same batch {base['loss_step1_global']:.6f}, relative difference "
+                              f"{r['loss_step1_rel_diff']:.2e} > {rtol:g}")
+        check = {"tolerance": rtol, "ok": all(r["loss_step1_rel_diff"] <= rtol for r in runs[1:])}
+        report[preset] = {"shape": PRESETS[preset], "runs": runs, "step1_loss_check": check}
+        body = []
+        for r in runs:
             ep = r["ranks"] > 1
-            cell = lambda v, f: (f % v) if ep else "-"  # noqa: E731
-            lines.append(f"| {r['label']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s_per_gpu'] / base:.2f} "
-                         f"| {r['ms_per_step']:.1f} | {cell(r['dispatch_mb'], '%.2f')} | {cell(r['dispatch_ms'], '%.2f')} "
-                         f"| {cell(r['a2a_mb'], '%.2f')} | {cell(r['a2a_ms'], '%.2f')} | {cell(r['allreduce_ms'], '%.2f')} "
-                         f"| {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r['loss_step1_global']:.6f} "
-                         f"| {cell(r.get('loss_step1_rel_diff'), '%.1e')} |")
-        if rows[1]["dispatch_mb"]:
-            lines.append(f"MXFP8 dispatch sends {rows[2]['dispatch_mb'] / rows[1]['dispatch_mb']:.3f}x the bytes of "
-                         f"bf16 dispatch and takes {rows[2]['dispatch_ms'] / max(rows[1]['dispatch_ms'], 1e-9):.2f}x "
-                         f"its time (per step; forward dispatch only)")
-        lines.append(f"step-1 loss check ({'ok' if check['ok'] else 'FAILED'}): each EP run's step-1 loss (global batch "
-                     f"of {EP_RANKS} x {PRESETS[preset]['batch_size']} sequences, all-reduced) against the 1 GPU model's "
-                     f"cross entropy on that batch before step 1, relative tolerance {rtol:g}; 'loss first -> last' "
-                     f"of the 1 GPU run is over its own batches of {PRESETS[preset]['batch_size']} sequences")
-    report["device_name"] = json.loads((out / f"{presets[0]}_single.rank0.json").read_text())["device_name"]
-    header = (f"expert parallel | {report['device_name']} | torch {report['torch']} | commit {report['commit']} | "
-              f"recipe {args.recipe} | {args.steps} timed steps after {args.warmup} warm-up; per rank and step; "
-              f"MB = 1e6 bytes sent to the other rank; ms from CUDA events (CPU: wall clock)")
-    text = header + "\n" + "\n".join(lines)
-    print(text)
-    (out / "expert_parallel.txt").write_text(text + "\n")
-    (out / "expert_parallel.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out / 'expert_parallel.json'} and {out / 'expert_parallel.txt'}")
+
+            def cell(v, spec):
+                return f"{v:{spec}}" if ep else "-"
+
+            body.append([r["label"], f"{r['tokens_per_s_per_gpu']:,.0f}",
+                         f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x", f"{r['ms_per_step']:.1f}",
+                         cell(r["dispatch_mb"], ".2f"), cell(r["dispatch_ms"], ".2f"), cell(r["a2a_mb"], ".2f"),
+                         cell(r["a2a_ms"], ".2f"), cell(r["allreduce_ms"], ".2f"),
+                         f"{r['loss_step1_global']:.6f}", cell(r.get("loss_step1_rel_diff", 0.0), ".1e")])
+            tokens_step = PRESETS[preset]["batch_size"] * PRESETS[preset]["seq_len"]
+            rows.append(harness.Row(f"{preset} {r['label']}", f"{tokens_step} tokens per GPU per step",
+                                    1e6 / r["tokens_per_s_per_gpu"] * tokens_step,
+                                    1e6 / base["tokens_per_s_per_gpu"] * tokens_step, note="us per step per GPU",
+                                    extra=r))
+        print(f"\n### preset {preset}: {PRESETS[preset]}")
+        print(harness.format_table(["run", "tokens/s per GPU", "x 1 GPU", "ms/step", "dispatch MB", "dispatch ms",
+                                    "all-to-all MB", "all-to-all ms", "grad all-reduce ms", "step-1 loss, global batch",
+                                    "rel. diff"], body))
+        if runs[1]["dispatch_mb"]:
+            print(f"MXFP8 dispatch sends {runs[2]['dispatch_mb'] / runs[1]['dispatch_mb']:.3f}x the bytes of bf16 "
+                  f"dispatch and takes {runs[2]['dispatch_ms'] / max(runs[1]['dispatch_ms'], 1e-9):.2f}x its time "
+                  f"(per step; forward dispatch only)")
+        print(f"step-1 loss check ({'ok' if check['ok'] else 'FAILED'}): each EP run's step-1 loss (global batch, "
+              f"all-reduced) against the 1 GPU model's cross entropy on that batch before step 1, relative "
+              f"tolerance {rtol:g}")
+    harness.write_results(SUBJECT, args, env, rows, {"presets": report, "work_dir": args.work_dir})
     if failed:
-        raise SystemExit("step-1 loss check failed:\n" + "\n".join(failed))
+        print("step-1 loss check failed:\n" + "\n".join(failed), file=sys.stderr)
+        return 1
+    return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", default="out/expert_parallel", help="where the JSON, table and logs go")
-    p.add_argument("--presets", default="default,large", help="comma-separated presets (default: %(default)s)")
+    harness.add_common_args(p, timing="eager")
+    p.add_argument("--presets", default=None, help="comma-separated presets (default: default,large; --quick: default)")
     p.add_argument("--recipe", default="mxfp8", help="precision recipe (MXFP8 dispatch needs a quantizing one)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: 20; --quick and --smoke: fewer)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA, else cpu), cuda or cpu")
     p.add_argument("--data", default=None, help="corpus (default: the Python standard library, as mxmoe train)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run before it is killed")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 3 + 1 steps, CPU and gloo: checks the script")
+    p.add_argument("--work-dir", default=None, help="per-run logs and rank files (default: a temporary folder)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--preset", default="default", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tag", default="run", help=argparse.SUPPRESS)
     p.add_argument("--mx-dispatch", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.smoke:
-        args.device, args.steps, args.warmup = "cpu", 3, 1
     if args.worker:
         worker(args)
-    else:
-        driver(args)
+        return 0
+    if args.smoke:
+        args.device, args.steps, args.warmup = "cpu", 1, 1
+    elif torch.cuda.device_count() < EP_RANKS:
+        print(f"expert_parallel needs {EP_RANKS} GPUs, this machine has {torch.cuda.device_count()}; "
+              f"--smoke runs it on the CPU with gloo", file=sys.stderr)
+        return 2
+    if args.steps is None:
+        args.steps = 8 if args.quick else 20
+    if args.presets is None:
+        args.presets = "default" if args.quick else "default,large"
+    if args.work_dir is None:
+        args.work_dir = tempfile.mkdtemp(prefix="mxmoe_ep_")
+    return driver(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

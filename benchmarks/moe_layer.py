@@ -1,235 +1,366 @@
-"""The whole MoE layer (router to combine), forward + backward, MXFP8 against BF16.
+"""The MoE block, router to combine, forward + backward: mxmoe against the bf16 layers
+users run and against the bf16 GEMM floor.
 
-Same weights, same tokens, same process. For each shape (T tokens, D, F, E experts, k):
-- time of forward + backward: bf16 layer (composed path), mxfp8 fused
-  (:func:`mxmoe.ops.moe_experts.mx_moe_experts`), mxfp8 composed (two ``mx_grouped_mm``);
-- activation memory kept for backward: ``torch.cuda.memory_allocated`` after the forward
-  minus before (inputs and weights excluded), per variant;
-- a breakdown of the mxfp8 fused layer's forward + backward by stage (router, permute +
-  quantize, GEMMs, SwiGLU, quantize passes, combine), from the CUDA-event profiler;
-- "w cached": bf16 and mxfp8 fused inside ``mxmoe.weight_copy_cache()`` with the copies
-  already made, i.e. micro-batches 2..M of a gradient-accumulation step (the bf16 layer's
-  weight casts cached the same way), and the bytes the copies take;
-- with ``--compile``: the bf16 and fused mxfp8 layers under ``torch.compile`` (Inductor
-  fuses the router, combine and elementwise ops of both; the expert kernels stay our custom
-  ops), the stronger baseline a user who compiles their model compares against;
-- with ``--top N``: the N largest kernels of the breakdown's "other" class per layer.
+Shapes (D, F, E, top-k, T) = model width, expert width, experts, experts per token,
+tokens: Qwen3-235B-A22B (4096, 1536, 128, 8, 16384), DeepSeek-V3 (7168, 2048, 256, 8,
+16384), Mixtral-8x7B (4096, 14336, 8, 2, 8192); ``--tokens`` sets T for all.
 
-    PYTHONPATH=src python3 benchmarks/moe_layer.py [--out results.json] [--smoke] [--compile] [--top N]
+Variants, built one at a time on the GPU (random init, std 0.02), each timed as one
+forward of x (T, D) bf16 (requiring grad) and ``y.backward(dy)``, gradients set to None
+before each step:
 
-Prints tables and writes JSON with the GPU name, torch/Triton versions and commit (env COMMIT).
+- ``mxmoe mxfp8``: :class:`mxmoe.nn.MoELayer` under the "mxfp8" recipe (fused expert op),
+  float32 master weights (``--mxmoe-params bfloat16`` for bf16 ones), bf16 activations;
+- ``mxmoe bf16``: the same layer under the "bf16" recipe;
+- ``SonicMoE bf16`` (if ``import sonicmoe`` works, e.g. after ``source .hopper/activate``):
+  ``sonicmoe.MoE`` with bf16 parameters, ``KernelBackendMoE.sonicmoe``. QuACK autotunes
+  each GEMM over 44 sm90 configurations, compiling each on first use (minutes); by default
+  the list is narrowed before QuACK's GEMM interface is imported to the 6 configurations
+  around its default (pingpong, 128 x {128, 160, 192} tiles, clusters 2 x 1 and 1 x 2);
+  ``--sonic-configs one`` keeps the default alone, ``all`` all 44 (SonicMoE may then be a
+  little faster). Left out of ``--quick`` runs (its compilation alone outlasts them) unless
+  ``--variants`` names it;
+- ``HF grouped_mm bf16`` (if transformers is importable): transformers'
+  ``Qwen3MoeSparseMoeBlock`` from a ``Qwen3MoeConfig`` with
+  ``experts_implementation="grouped_mm"`` (``torch._grouped_mm`` underneath), bf16
+  parameters, ``norm_topk_prob=True``;
+- ``bf16 GEMM floor``: the six expert GEMMs of forward + backward (up and down projection,
+  their dgrads and wgrads) as balanced bf16 ``torch.bmm`` over E experts of T * top-k / E
+  rows: no router, permutation, activation or combine. No bf16 layer can beat it.
+
+Reported per variant: ms per forward + backward; expert-GEMM TFLOP/s (18 A D F over the
+A = T * top-k rows); "x SonicMoE" and "x HF" = their time / this time (above 1: faster);
+"% of floor" = floor time / this time; activation MB kept for the backward =
+``torch.cuda.memory_allocated`` after the forward minus before, less the output. A variant
+that runs out of memory is reported as such.
+
+    PYTHONPATH=src python3 benchmarks/moe_layer.py [--quick] [--models ...] [--tokens T]
+    source .hopper/activate && PYTHONPATH=src:$PYTHONPATH python3 benchmarks/moe_layer.py   # with SonicMoE
+    PYTHONPATH=src python3 benchmarks/moe_layer.py --smoke          # CPU, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import contextlib
+import gc
 import sys
-import time
-from collections import defaultdict
-from pathlib import Path
+from typing import Any, Callable
 
-import torch
+import harness
 
-from mxmoe.moe.layer import MoELayer
-from mxmoe.ops.weight_cache import weight_copy_cache
-from mxmoe.recipe import get_recipe
+SMOKE = harness.interpret_triton_if_smoke()
 
-# (T, D, F, E, k): tokens per micro-batch, model width, expert width, experts, top-k
-SHAPES = [(32768, 4096, 2048, 16, 2), (16384, 2048, 1408, 64, 8), (16384, 7168, 2048, 32, 4)]
-TARGET_SPEED = 0.9
-TARGET_MEMORY = 0.6
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
+from mxmoe.nn import MoELayer  # noqa: E402
+from mxmoe.recipe import get_recipe  # noqa: E402
 
-def bench(fn, smoke):
-    if smoke:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=50, return_mode="median") / 1e3
+SUBJECT = "moe_layer"
+MODELS = {
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, 16384),
+    "deepseek-v3": (7168, 2048, 256, 8, 16384),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
+}
+QUICK_MODELS = ("qwen3-235b-a22b",)
+SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
+VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
+STD = 0.02
 
 
-def build(D, F, E, k, recipe, fused, dev, state=None):
-    m = MoELayer(D, E, k, F, 8, recipe, fused=fused).to(dev)
-    if state is not None:
-        m.load_state_dict(state)
-    return m
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Parameters created inside get ``dtype`` (no float32 copy first)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
-def step(m, x, dy):
-    xx = x.detach().requires_grad_(True)
-    y, aux = m(xx)
-    y.backward(dy)
+# ---- baselines ----------------------------------------------------------------------------
+
+_SONIC: dict[str, Any] = {}
 
 
-def activation_bytes(m, x, dev):
+def _keep_config(c, configs: str) -> bool:
+    """Whether a QuACK sm90 GemmConfig stays in the autotuning list: "one" keeps QuACK's
+    default configuration (pingpong, tile 128 x 192, cluster 2 x 1, no swap), "narrow" the 6
+    around it (tile 128 x {128, 160, 192}, cluster 2 x 1 or 1 x 2)."""
+    tiles = (192,) if configs == "one" else (128, 160, 192)
+    clusters = ((2, 1),) if configs == "one" else ((2, 1), (1, 2))
+    return c.pingpong and c.tile_m == 128 and c.tile_n in tiles and not c.swap_ab and \
+        (c.cluster_m, c.cluster_n) in clusters
+
+
+def load_sonicmoe(configs: str) -> dict[str, Any] | None:
+    """Import SonicMoE once (None, with the reason in ``_SONIC["error"]``, if it is not
+    installed). ``configs`` "one" or "narrow": before QuACK's GEMM interface is imported,
+    replace ``quack.gemm_config._get_sm90_configs`` by a filter of its list
+    (:func:`_keep_config`), so that QuACK's autotuning compiles 1 or 6 kernels per GEMM kind
+    instead of 44; "all" leaves it alone."""
+    if _SONIC:
+        return _SONIC if "MoE" in _SONIC else None
+    try:
+        if configs != "all":
+            import quack.gemm_config as gemm_config
+
+            full = gemm_config._get_sm90_configs
+
+            def narrowed(epilogue=None, tune_coop=True):
+                all_configs = full(epilogue, tune_coop)
+                return [c for c in all_configs if _keep_config(c, configs)] or all_configs[:1]
+
+            gemm_config._get_sm90_configs = narrowed
+        import sonicmoe
+        from sonicmoe import KernelBackendMoE, MoE
+        from sonicmoe.enums import ActivationType
+
+        _SONIC.update(MoE=MoE, backend=KernelBackendMoE.sonicmoe, swiglu=ActivationType.SWIGLU,
+                      version=getattr(sonicmoe, "__version__", "?"), configs=configs)
+        return _SONIC
+    except Exception as err:  # noqa: BLE001 - any import failure means "not available here"
+        _SONIC["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        return None
+
+
+def build_hf_block(D: int, F: int, E: int, k: int, dev: torch.device) -> nn.Module:
+    """transformers' Qwen3MoeSparseMoeBlock with grouped_mm experts and bf16 parameters.
+
+    Raises:
+        ImportError: transformers (or its Qwen3-MoE model) is not installed.
+        RuntimeError: the config did not take ``experts_implementation="grouped_mm"``.
+    """
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    shape = dict(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True,
+                 num_hidden_layers=1)
+    try:
+        cfg = Qwen3MoeConfig(**shape, experts_implementation="grouped_mm")
+    except TypeError:  # a config class that does not take the keyword: set the attribute
+        cfg = Qwen3MoeConfig(**shape)
+        cfg._experts_implementation = "grouped_mm"
+    if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
+        raise RuntimeError(f"Qwen3MoeConfig kept experts_implementation={cfg._experts_implementation!r}")
+    with torch.device(dev), default_dtype(torch.bfloat16):
+        block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():  # the block alone is not initialized (the router starts at zero)
+            p.normal_(std=STD)
+    return block
+
+
+def build_sonic(D: int, F: int, E: int, k: int, dev: torch.device, sonic: dict[str, Any]) -> nn.Module:
+    with torch.device(dev), default_dtype(torch.bfloat16):
+        return sonic["MoE"](num_experts=E, num_experts_per_tok=k, hidden_size=D, intermediate_size=F,
+                            activation_function=sonic["swiglu"], add_bias=False, std=STD)
+
+
+def floor_step(D: int, F: int, E: int, A: int, dev: torch.device) -> Callable[[], None]:
+    """The six expert GEMMs of forward + backward as balanced bf16 bmm (A / E rows each)."""
+    M = max(A // E, 1)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, device=dev, generator=g, dtype=torch.bfloat16)
+
+    x, w1, w2 = r(E, M, D), r(E, D, 2 * F) * STD, r(E, F, D) * STD
+    act, dout, dh = r(E, M, F), r(E, M, D), r(E, M, 2 * F)
+
+    def step():
+        torch.bmm(x, w1)  # up projection (gate and up)
+        torch.bmm(act, w2)  # down projection
+        torch.bmm(dout, w2.transpose(1, 2))  # dgrad of down
+        torch.bmm(act.transpose(1, 2), dout)  # wgrad of down
+        torch.bmm(dh, w1.transpose(1, 2))  # dgrad of up
+        torch.bmm(x.transpose(1, 2), dh)  # wgrad of up
+
+    return step
+
+
+# ---- one variant --------------------------------------------------------------------------
+
+def build(variant: str, D: int, F: int, E: int, k: int, dev: torch.device, args) -> tuple[nn.Module, Callable]:
+    """(module, forward(x) -> y) of a layer variant."""
+    if variant.startswith("mxmoe"):
+        recipe = get_recipe("mxfp8" if "mxfp8" in variant else "bf16")  # the Triton kernels on CUDA
+        with torch.device(dev), default_dtype(getattr(torch, args.mxmoe_params)):
+            layer = MoELayer(D, E, k, F, 1, recipe, fused=True)
+        return layer, lambda x: layer(x)[0]
+    if variant == "SonicMoE bf16":
+        sonic = load_sonicmoe(args.sonic_configs)
+        layer = build_sonic(D, F, E, k, dev, sonic)
+        backend = sonic["backend"]
+        return layer, lambda x: layer(x, kernel_backend_moe=backend)[0]
+    if variant == "HF grouped_mm bf16":
+        block = build_hf_block(D, F, E, k, dev)
+        return block, lambda x: block(x.view(1, *x.shape)).view(x.shape)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def skip_reason(variant: str, args) -> str | None:
+    """Why a variant does not run here (None: it runs)."""
+    if variant == "SonicMoE bf16":
+        if args.smoke:
+            return "CUDA only"
+        if args.quick and not args.variants_given:
+            return "not in --quick: QuACK compiles its GEMMs for minutes on first use (run without --quick)"
+        if load_sonicmoe(args.sonic_configs) is None:
+            return f"sonicmoe not importable ({_SONIC.get('error', '?')})"
+    if variant == "HF grouped_mm bf16":
+        try:
+            import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - not installed, or an incompatible version
+            return f"transformers not importable ({type(err).__name__})"
+    return None
+
+
+def activation_bytes(forward: Callable, x: torch.Tensor, dev: torch.device) -> int | None:
+    """Bytes the forward keeps alive for the backward: memory_allocated after minus before,
+    less the output's own bytes (CUDA only)."""
     if dev.type != "cuda":
         return None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     xx = x.detach().requires_grad_(True)
-    before = torch.cuda.memory_allocated()
-    y, aux = m(xx)
+    harness.free_memory()
+    before = torch.cuda.memory_allocated(dev)
+    y = forward(xx)
     torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
-    del y, aux, xx
+    kept = torch.cuda.memory_allocated(dev) - before - y.numel() * y.element_size()
+    del y, xx
     return kept
 
 
-def breakdown(m, x, dy, top=0):
-    """(CUDA time per stage of one forward + backward from torch.profiler kernel names,
-    the ``top`` largest kernels of the "other" class as {name: us}, empty for top 0)."""
-    from torch.profiler import ProfilerActivity, profile
+def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, dy: torch.Tensor,
+                dev: torch.device, args) -> dict[str, Any]:
+    """Time one variant; returns {"ms", "act_MB", "note"} (ms None if it did not run)."""
+    reason = skip_reason(variant, args)
+    if reason:
+        return {"ms": None, "act_MB": None, "note": reason}
+    timing = dict(mode=args.timing, warmup_ms=args.warmup_ms, rep_ms=harness.rep_ms(args), smoke=args.smoke,
+                  label=variant)
+    module = fn = None
+    try:
+        if variant == "bf16 GEMM floor":
+            fn = floor_step(D, F, E, x.shape[0] * k, dev)
+            return {"ms": 1e3 * harness.bench(fn, **timing), "act_MB": None, "note": "six bf16 bmm, balanced"}
+        module, forward = build(variant, D, F, E, k, dev, args)
+        params = [p for p in module.parameters() if p.requires_grad]
+        xx = x.detach().requires_grad_(True)
 
-    step(m, x, dy)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(m, x, dy)
-        torch.cuda.synchronize()
-    cats = defaultdict(float)
-    others = {}
-    for e in prof.key_averages():
-        name = e.key.lower()
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        if us <= 0:
-            continue
-        if "gather_fake_quant" in name or "grouped_col" in name or "index" in name and "select" in name:
-            cat = "permute + quantize"
-        elif "combine" in name or "sum_token_rows" in name:
-            cat = "combine + un-permute (fused kernels)"
-        elif "swiglu" in name:
-            cat = "swiglu (+ quantize)"
-        elif "gemm" in name or "cutlass" in name or "sm90" in name or "grouped_mm" in name or "xmma" in name:
-            cat = "grouped GEMMs"
-        elif "mx_" in name or "dequant" in name:
-            cat = "quantize passes"
-        elif "sort" in name or "softmax" in name or "topk" in name or "bincount" in name or "cumsum" in name \
-                or "logsumexp" in name:
-            cat = "router + dispatch"
-        else:
-            cat = "other (combine, casts, elementwise)"
-            others[e.key[:90]] = others.get(e.key[:90], 0.0) + us
-        cats[cat] += us
-    return dict(cats), dict(sorted(others.items(), key=lambda kv: -kv[1])[:top])
+        def step():
+            xx.grad = None
+            for p in params:
+                p.grad = None
+            forward(xx).backward(dy)
+
+        ms = 1e3 * harness.bench(step, **timing)
+        for p in params:
+            p.grad = None
+        act = activation_bytes(forward, x, dev)
+        note = ""
+        if isinstance(module, MoELayer):
+            note = f"fused op ran: {module.last_ran_fused}, params {args.mxmoe_params}"
+        elif variant == "SonicMoE bf16":
+            note = f"sonic-moe {_SONIC['version']}, QuACK configs: {_SONIC['configs']}"
+        elif variant == "HF grouped_mm bf16":
+            note = f"experts_implementation={module.experts.config._experts_implementation}"
+        return {"ms": ms, "act_MB": act / 1e6 if act is not None else None, "note": note}
+    except torch.cuda.OutOfMemoryError:
+        return {"ms": None, "act_MB": None, "note": "out of memory"}
+    finally:
+        del module, fn
+        gc.collect()
+        harness.free_memory()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
-    ap.add_argument("--compile", action="store_true",
-                    help="also time torch.compile'd bf16 and fused mxfp8 layers (Inductor fuses the "
-                         "elementwise ops: the stronger BF16 baseline)")
-    ap.add_argument("--top", type=int, default=0, help="list the N largest kernels of the 'other' class")
-    args = ap.parse_args()
-    smoke = args.smoke
-    dev = torch.device("cpu" if smoke else "cuda")
-    import triton
-
-    info = {"gpu": "cpu" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": os.environ.get("COMMIT", "unknown"),
-            "date": time.strftime("%Y-%m-%d")}
-    print(json.dumps(info))
-    shapes = [(256, 64, 64, 4, 2)] if smoke else SHAPES
-    rows = []
-    for T, D, F, E, k in shapes:
-        torch.manual_seed(0)
-        bf = build(D, F, E, k, get_recipe("bf16"), False, dev)
-        state = bf.state_dict()
-        mx = build(D, F, E, k, get_recipe("mxfp8"), True, dev, state)
-        mxc = build(D, F, E, k, get_recipe("mxfp8"), False, dev, state)
-        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        t = {name: bench(lambda m=m: step(m, x, dy), smoke) for name, m in
-             (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
-        compiled, compile_errors = {}, {}
-        if args.compile:
-            for name, m in (("bf16 compiled", bf), ("mxfp8 fused compiled", mx)):
-                try:
-                    cm = torch.compile(m)
-                    t0 = time.perf_counter()
-                    step(cm, x, dy)
-                    step(cm, x, dy)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    print(f"  {name}: compiled and ran twice in {time.perf_counter() - t0:.1f} s", flush=True)
-                    t[name] = bench(lambda m=cm: step(m, x, dy), smoke)
-                    compiled[name] = cm
-                except Exception as exc:  # report and go on: the eager rows stand on their own
-                    compile_errors[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    print(f"  {name}: torch.compile failed: {compile_errors[name]}", flush=True)
-        copies_mb = {}
-        for name, m in (("bf16", bf), ("mxfp8 fused", mx)):
-            with weight_copy_cache() as cache:  # steady state of gradient accumulation: copies made once
-                step(m, x, dy)
-                t[f"{name}, w cached"] = bench(lambda m=m: step(m, x, dy), smoke)
-                copies_mb[f"{name}, w cached"] = cache.nbytes / 1e6
-        mem = {name: activation_bytes(m, x, dev) for name, m in
-               (("bf16", bf), ("mxfp8 fused", mx), ("mxfp8 composed", mxc))}
-        mem.update({name: activation_bytes(m, x, dev) for name, m in compiled.items()})
-        mem.update({name: None for name in copies_mb})
-        row = {"T": T, "D": D, "F": F, "E": E, "k": k, "ms": {n: v * 1e3 for n, v in t.items()},
-               "speed_vs_bf16": {n: t["bf16"] / v for n, v in t.items()},
-               "activation_MB": {n: (v / 1e6 if v is not None else None) for n, v in mem.items()},
-               "weight_copies_MB": copies_mb,
-               "speed_w_cached_vs_bf16_w_cached": t["bf16, w cached"] / t["mxfp8 fused, w cached"]}
-        if compile_errors:
-            row["compile_errors"] = compile_errors
-        if mem["bf16"]:
-            row["memory_vs_bf16"] = {n: v / mem["bf16"] for n, v in mem.items() if v is not None}
-        if not smoke:
-            for key, m in (("mxfp8_fused", mx), ("bf16", bf)):
-                row[f"breakdown_us_{key}"], top = breakdown(m, x, dy, args.top)
-                if top:
-                    row[f"top_other_us_{key}"] = top
-        rows.append(row)
-        print(f"\nT={T} D={D} F={F} E={E} k={k}")
-        for n in t:
-            mm = f"{row['activation_MB'][n]:9.1f} MB" if row["activation_MB"][n] is not None else "        -"
-            rm = f"{row['memory_vs_bf16'][n]:5.2f}x" if n in row.get("memory_vs_bf16", {}) else "    -"
-            extra = f"   weight copies {copies_mb[n]:.1f} MB" if n in copies_mb else ""
-            print(f"  {n:24s} {t[n] * 1e3:9.2f} ms  {row['speed_vs_bf16'][n]:5.2f}x bf16 speed   "
-                  f"activations {mm} {rm}{extra}")
-        for key in ("breakdown_us_mxfp8_fused", "breakdown_us_bf16"):
-            if key in row:
-                print(f"  {key}: " + ", ".join(f"{c} {v / 1e3:.2f} ms" for c, v in sorted(row[key].items())))
-        for key in ("top_other_us_mxfp8_fused", "top_other_us_bf16"):
-            if key in row:
-                print(f"  {key}:")
-                for name, us in row[key].items():
-                    print(f"    {us / 1e3:7.3f} ms  {name}")
-        del bf, mx, mxc, x, dy, compiled
-        if not smoke:
-            torch.cuda.empty_cache()
-    if smoke:
-        print("\nsmoke run: one untimed call per variant on the CPU (checks that every path runs); "
-              "the times and ratios above are not measurements")
-    print(f"\nsummary (targets: fused fwd+bwd >= {TARGET_SPEED}x bf16 speed, activations <= {TARGET_MEMORY}x bf16"
-          + ("; not judged in a smoke run" if smoke else "") + "):")
-
-    def verdict(ok):
-        return "not judged: smoke run" if smoke else "met" if ok else "MISSED"
-
-    for r in rows:
-        sp = r["speed_vs_bf16"]["mxfp8 fused"]
-        mv = r.get("memory_vs_bf16", {}).get("mxfp8 fused")
-        print(f"  T={r['T']} D={r['D']} F={r['F']} E={r['E']} k={r['k']}: speed {sp:.2f}x "
-              f"({verdict(sp >= TARGET_SPEED)}), memory "
-              + (f"{mv:.2f}x ({verdict(mv <= TARGET_MEMORY)})" if mv is not None else "n/a")
-              + f"; with weight copies cached (both layers): {r['speed_w_cached_vs_bf16_w_cached']:.2f}x"
-              + (f"; mxfp8 fused / bf16 both compiled: {r['ms']['bf16 compiled'] / r['ms']['mxfp8 fused compiled']:.2f}x"
-                 f" ({verdict(r['ms']['bf16 compiled'] / r['ms']['mxfp8 fused compiled'] >= TARGET_SPEED)})"
-                 f", eager mxfp8 fused / bf16 compiled: {r['ms']['bf16 compiled'] / r['ms']['mxfp8 fused']:.2f}x"
-                 if 'bf16 compiled' in r['ms'] and 'mxfp8 fused compiled' in r['ms'] else ""))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    failed = sorted({n for r in rows for n in r.get("compile_errors", {})})
-    if failed:
-        print(f"torch.compile failed for: {', '.join(failed)} (rows left out; exit status 1)")
-        return 1
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    harness.add_common_args(p, timing="eager")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: all; --quick: {', '.join(QUICK_MODELS)})")
+    p.add_argument("--tokens", type=int, default=None, help="T for every model (default: each model's T)")
+    p.add_argument("--variants", default=None, help="comma-separated (default: all; --quick: all but SonicMoE)")
+    p.add_argument("--mxmoe-params", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of mxmoe's parameters (default: %(default)s, the trainer's master weights)")
+    p.add_argument("--sonic-configs", default="narrow", choices=("one", "narrow", "all"),
+                   help="QuACK autotuning list for SonicMoE: its default configuration, the 6 around it, or all 44 "
+                        "(default: %(default)s)")
+    args = p.parse_args(argv)
+    args.variants_given = args.variants is not None
+    variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; use {', '.join(VARIANTS)}")
+    if args.tokens is not None and args.tokens < 1:
+        p.error(f"--tokens must be a positive integer, got {args.tokens}")
+    if args.smoke:
+        models = dict(SMOKE_MODEL)
+    else:
+        names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
+        unknown = [n for n in names if n not in MODELS]
+        if unknown:
+            p.error(f"unknown model(s) {unknown}; use {', '.join(MODELS)}")
+        models = {n: MODELS[n] for n in names}
+    if args.tokens is not None:
+        models = {n: (*m[:4], args.tokens) for n, m in models.items()}
+    dev = harness.device_for(args)
+    env = harness.environment()
+    print(harness.title("MoE layer forward + backward against SonicMoE, HF transformers and the bf16 GEMM floor",
+                        env, args), flush=True)
+    rows: list[harness.Row] = []
+    results: dict[str, dict[str, Any]] = {}
+    for name, (D, F, E, k, T) in models.items():
+        print(f"{name}: D={D} F={F} E={E} top-{k} T={T}", flush=True)
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=g)
+        dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=g)
+        res = {}
+        for variant in variants:
+            res[variant] = run_variant(variant, D, F, E, k, x, dy, dev, args)
+            gc.collect()  # the variant's module and graph, released with run_variant's frame
+            harness.free_memory()
+            print(f"  {variant:20s} {harness.fmt(res[variant]['ms'], '.2f')} ms  {res[variant]['note']}", flush=True)
+        del x, dy
+        harness.free_memory()
+        flops = 18.0 * T * k * D * F
+        ref = {key: res.get(v, {}).get("ms") for key, v in (("sonic", "SonicMoE bf16"), ("hf", "HF grouped_mm bf16"),
+                                                              ("floor", "bf16 GEMM floor"))}
+        body = []
+        for variant in variants:
+            ms, r = res[variant]["ms"], res[variant]
+            ratios = {key: (ref[key] / ms if ms and ref[key] else None) for key in ref}
+            r.update(x_sonicmoe=ratios["sonic"], x_hf=ratios["hf"], pct_floor=ratios["floor"])
+            body.append([variant, harness.fmt(ms, ".2f"), harness.fmt(ms and flops / (ms * 1e-3) / 1e12, ".0f"),
+                         harness.fmt(ratios["sonic"], ".2f", "x"), harness.fmt(ratios["hf"], ".2f", "x"),
+                         harness.fmt(ratios["floor"] and 100 * ratios["floor"], ".0f", "%"),
+                         harness.fmt(r["act_MB"], ".0f"), r["note"]])
+            rows.append(harness.Row(f"{name} {variant}", f"D={D} F={F} E={E} k={k} T={T}",
+                                    ms * 1e3 if ms else None, ref["hf"] * 1e3 if ref["hf"] else None, flops=flops,
+                                    note=r["note"], extra={"x_sonicmoe": ratios["sonic"], "pct_floor": ratios["floor"],
+                                                           "activation_MB": r["act_MB"]}))
+        results[name] = res
+        print()
+        print(f"### {name} (D={D}, F={F}, E={E}, top-{k}, T={T})")
+        print(harness.format_table(["variant", "ms", "expert TFLOP/s", "x SonicMoE", "x HF", "% of floor",
+                                    "activation MB", "note"], body))
+        print()
+    if len(models) > 1:
+        body = [[v, harness.fmt(harness.geomean(results[m][v].get("x_sonicmoe") for m in models), ".2f", "x"),
+                 harness.fmt(harness.geomean(results[m][v].get("x_hf") for m in models), ".2f", "x"),
+                 harness.fmt(harness.geomean(100 * f if f else None for f in (results[m][v].get("pct_floor")
+                                                                               for m in models)), ".0f", "%")]
+                for v in variants]
+        print("### geometric mean over the shapes")
+        print(harness.format_table(["variant", "x SonicMoE", "x HF", "% of floor"], body))
+    harness.write_results(SUBJECT, args, env, rows, {
+        "baseline": "HF transformers Qwen3MoeSparseMoeBlock, grouped_mm experts, bf16 (row ratio); SonicMoE and the "
+                    "bf16 GEMM floor in each row's extra",
+        "models": {n: dict(zip("DFEkT", m)) for n, m in models.items()}, "variants": results,
+        "sonicmoe": {k: v for k, v in _SONIC.items() if isinstance(v, str)}})
     return 0
 
 

@@ -19,7 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from .numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
-from .numerics.mx_tensor import BACKENDS
+
+
+BACKENDS = ("auto", "reference", "triton")
+"""Quantizer backends: "auto" (the rule of :func:`mxmoe.ops.backend.use_triton`), "reference"
+(pure torch, :mod:`mxmoe.numerics`) or "triton" (the kernels of :mod:`mxmoe.kernels`)."""
 
 
 @dataclass(frozen=True)

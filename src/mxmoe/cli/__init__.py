@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..model import QUANTIZABLE, ModelConfig
-from ..numerics.mx_tensor import BACKENDS
+from ..models import QUANTIZABLE, ModelConfig
+from ..recipe import BACKENDS
 from ..recipe import RECIPES
 from ..distributed.launch import is_main_process
-from ..training import TrainConfig, load_corpus, train
+from ..train import TrainConfig, load_corpus, train
 from .presets import add_preset_argument, parse_with_preset
 
 

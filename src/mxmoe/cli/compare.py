@@ -1,5 +1,5 @@
 """``mxmoe compare`` and ``mxmoe report``: parsers and commands (see
-:mod:`mxmoe.training.compare` for what they write)."""
+:mod:`mxmoe.train.compare` for what they write)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import sys
 
 from ..recipe import RECIPES
-from ..training import load_corpus
-from ..training.compare import RecipeRunError, build_report, parse_recipes, run_compare
+from ..train import load_corpus
+from ..train.compare import RecipeRunError, build_report, parse_recipes, run_compare
 
 DEFAULT_COMPARE_DIR = "runs/compare"
 DEFAULT_RECIPES = "bf16,mxfp8"

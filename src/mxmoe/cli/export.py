@@ -1,14 +1,14 @@
 """``mxmoe export`` and ``mxmoe eval``: parsers and commands (file layout in
-:mod:`mxmoe.training.export`)."""
+:mod:`mxmoe.train.export`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..numerics.formats import ScaleMode
-from ..numerics.mx_tensor import BACKENDS
+from ..recipe import BACKENDS
 from ..recipe import RECIPES
-from ..training.export import EXPORT_FORMATS, evaluate_source, export_checkpoint
+from ..train.export import EXPORT_FORMATS, evaluate_source, export_checkpoint
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def add_export_commands(sub) -> None:
                        description="Write the weights of a training checkpoint to a safetensors file: the weights "
                                    "the recipe quantizes as MXFP8 (<key>.e4m3 float8_e4m3fn data and <key>.e8m0 "
                                    "uint8 E8M0 scales, blocks of 32 along the last dim), everything else in bf16; "
-                                   "or everything in bf16. Naming and metadata: README, 'Export'.")
+                                   "or everything in bf16. Naming and metadata: docs/TRAINING.md, 'mxmoe export'.")
     p.add_argument("checkpoint", metavar="CKPT", help="a run directory (--out-dir of mxmoe train) or its checkpoint.pt")
     p.add_argument("output", metavar="OUT", help="the safetensors file to write (replaced atomically)")
     p.add_argument("--format", default="mxfp8", choices=list(EXPORT_FORMATS),

@@ -36,7 +36,7 @@ def add_preset_argument(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preset")
     g.add_argument("--preset", default=None, choices=list(PRESETS),
                    help="named settings (h200: a 210M-parameter MoE, 32 experts top-2, 2000 steps of "
-                        "32 x 512 tokens, see the README); flags given explicitly override the preset's values")
+                        "32 x 512 tokens, see docs/TRAINING.md, 'Presets'); flags given explicitly override the preset's values")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

@@ -5,10 +5,14 @@
 - :mod:`.collectives`: the differentiable row all-to-all and :class:`CommStats`.
 - :mod:`.sync`: replicated vs sharded parameters, gradient all-reduce, global-norm
   clipping, gathering and loading checkpoints.
+- :mod:`.batch`: each rank's slice of the global batch, evaluation over the ranks.
 - :mod:`.launch`: process group from torchrun's environment.
-- :mod:`.train`: the expert-parallel training loop (``mxmoe train --expert-parallel P``).
+
+The training loop that uses these (``mxmoe train --expert-parallel P``) is
+:func:`mxmoe.train.train`, one loop for one process and for P ranks.
 """
 
+from .batch import evaluate_expert_parallel, rank_slice
 from .collectives import AllToAllRows, CommStats, all_to_all_rows
 from .ep import (
     ExpertParallelMoELayer,
@@ -28,12 +32,14 @@ __all__ = [
     "DistEnv",
     "ExpertParallelMoELayer",
     "all_to_all_rows",
+    "evaluate_expert_parallel",
     "expert_major_order",
     "expert_parameter_names",
     "init_expert_parallel",
     "loss_share",
     "mx_row_bytes",
     "pack_mx_rows",
+    "rank_slice",
     "shard_experts",
     "unpack_mx_rows",
 ]

@@ -55,10 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..moe.layer import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused
+from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
-from ..numerics.mx_tensor import MXTensor, quantize_mx
+from ..numerics.mx_tensor import MXTensor
+from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import Recipe
 from .collectives import AllToAllRows, CommStats, all_to_all_rows
 
@@ -112,7 +113,7 @@ def unpack_mx_rows(buf_TB: Tensor, d_model: int, recipe: Recipe, dtype: torch.dt
     codes = buf_TB[:, :d_pad].contiguous().view(recipe.fmt.spec.torch_dtype)
     scales = buf_TB[:, d_pad:].contiguous().view(torch.float8_e8m0fnu)
     mx = MXTensor(codes, scales, recipe.fmt, bs, 1, recipe.scale_mode, d_model)
-    return mx.dequantize(dtype, backend=recipe.backend)
+    return dequantize_mx(mx, dtype, backend=recipe.backend)
 
 
 def _check_wire_recipe(recipe: Recipe) -> None:
@@ -124,7 +125,7 @@ def _check_wire_recipe(recipe: Recipe) -> None:
 class _MXDispatch(torch.autograd.Function):
     """Forward: all-to-all of packed MXFP8 rows, dequantized on arrival. Backward: the
     reverse all-to-all of the gradient rows in the activation dtype (straight through the
-    rounding, as :func:`mxmoe.moe.layer.mx_round_rows`)."""
+    rounding, as :func:`mxmoe.nn.moe.mx_round_rows`)."""
 
     @staticmethod
     def forward(ctx, x_AD: Tensor, packed_AB: Tensor, d_model: int, recipe: Recipe, recv_splits, send_splits,
@@ -161,7 +162,7 @@ def expert_major_order(recv_counts_PL: Tensor) -> Tensor:
 
 
 class ExpertParallelMoELayer(nn.Module):
-    """A :class:`~mxmoe.moe.MoELayer` whose experts are split over the ranks of ``group``.
+    """A :class:`~mxmoe.nn.moe.MoELayer` whose experts are split over the ranks of ``group``.
 
     Built from a full ``MoELayer`` (constructed identically on every rank, for example under
     the same seed): the router and the shared expert are kept whole (replicated: their
@@ -179,7 +180,7 @@ class ExpertParallelMoELayer(nn.Module):
         comm_stats: optional :class:`~mxmoe.distributed.collectives.CommStats` recording
             every collective of this layer (bytes, time).
 
-    Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.moe.MoEAux`) like ``MoELayer``,
+    Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
     ranks is the single-process value for the whole batch, see the module docstring) and
     ``tokens_per_expert`` counts the whole batch's assignments (E,) over all ranks.
@@ -231,7 +232,7 @@ class ExpertParallelMoELayer(nn.Module):
         return torch.stack(gathered).cpu()
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEAux]:
-        """This rank's tokens x (..., D) -> (y like x, :class:`~mxmoe.moe.layer.MoEAux`): route
+        """This rank's tokens x (..., D) -> (y like x, :class:`~mxmoe.nn.moe.MoEAux`): route
         locally, all-to-all the rows to the ranks that own their experts (MXFP8 codes +
         scales with ``mx_dispatch``), run the local experts, all-to-all back, combine. Every
         rank must call it (collectives); the module docstring has the data flow."""
@@ -284,7 +285,7 @@ class ExpertParallelMoELayer(nn.Module):
                      tokens_global: int) -> tuple[Tensor, Tensor]:
         """This rank's shares of the load-balancing loss E * sum_e f_e * P_e and of the
         z-loss mean_t lse_t^2, both over the whole batch (``load_balancing_loss`` and
-        ``router_z_loss`` of :mod:`mxmoe.moe.layer`): f_e from the global counts, P_e and
+        ``router_z_loss`` of :mod:`mxmoe.nn.moe`): f_e from the global counts, P_e and
         the z-loss with sums over this rank's tokens divided by the global token count.
         The operations mirror the single-process ones so the gradients match bit for bit."""
         if tokens_global == 0:
@@ -298,7 +299,7 @@ class ExpertParallelMoELayer(nn.Module):
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
                   comm_stats: CommStats | None = None) -> list[ExpertParallelMoELayer]:
-    """Replace every :class:`~mxmoe.moe.MoELayer` inside ``model`` by an
+    """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
     Build ``model`` identically on every rank first (same seed), so that the replicated
@@ -332,7 +333,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 def loss_share(logits: Tensor, targets: Tensor, aux_loss: Tensor, z_loss: Tensor, tokens_global: int,
                aux_loss_coef: float, z_loss_coef: float) -> tuple[Tensor, Tensor]:
-    """This rank's share of the training loss of :class:`~mxmoe.model.MoETransformer`.
+    """This rank's share of the training loss of :class:`~mxmoe.models.MoETransformer`.
 
     ``ce_share = sum over this rank's tokens of the cross entropy / tokens_global``; the
     aux and z losses are already shares (from :class:`ExpertParallelMoELayer`). Summed

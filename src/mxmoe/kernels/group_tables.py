@@ -1,8 +1,9 @@
-"""The argument tables of a pointer-array grouped GEMM (CUTLASS's ``GemmUniversalMode::kGrouped``,
-design (g): :mod:`mxmoe.kernels.cutlass_wq`), made from the cumulative offsets on the device
-in one launch: no host synchronization, and one kernel instead of the ten small torch ops
-that build them otherwise (~1.5 us each in a graph replay: 16 us of a 300 us forward at
-(16384, 2048, 1408, 64)). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+"""The argument tables of a pointer-array grouped GEMM (CUTLASS's ``GemmUniversalMode::kGrouped``:
+:mod:`mxmoe.kernels.cutlass_mx_grouped_gemm`), made from the cumulative offsets on the
+device in one launch: no host synchronization, and one kernel instead of the ten small torch
+ops that build them otherwise (~1.5 us each in a graph replay on the H200: 16 us of a 300 us
+forward at (T, K, N, E) = (16384, 2048, 1408, 64)). CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ BLOCK = 256
 # No value specialization: Triton would otherwise compile a new variant when an integer
 # argument turns 1 or a multiple of 16 (T, E, the base addresses) or the offsets' address
 # changes alignment, also inside a CUDA-graph capture (which the H200's torch 2.11 / Triton
-# 3.6 allow; a compile there is avoidable work at best). One variant per SCALES and offsets
-# dtype (part of cutlass_wq's seen-shape key).
-_SCALARS = ("E", "N", "K", "T", "w_base", "x_base", "out_base", "s_base", "elem_bytes", "w_elem_bytes", "s_per_expert")
+# 3.6 allow; a compile there is avoidable work at best). One variant per offsets dtype (part
+# of cutlass_mx_grouped_gemm's seen-shape key).
+_SCALARS = ("E", "N", "K", "T", "w_base", "x_base", "out_base", "elem_bytes")
 
 
 @triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=("ends_ptr",))
-def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, ps_ptr, E, N, K, T, w_base, x_base, out_base,
-                         s_base, elem_bytes, w_elem_bytes, s_per_expert, SCALES: tl.constexpr, BLOCK: tl.constexpr):
+def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, E, N, K, T, w_base, x_base, out_base,
+                         elem_bytes, BLOCK: tl.constexpr):
     for start in range(0, E, BLOCK):
         e = start + tl.arange(0, BLOCK)
         m = e < E
@@ -37,44 +38,37 @@ def _group_tables_kernel(ends_ptr, prob_ptr, pa_ptr, pb_ptr, pd_ptr, ps_ptr, E, 
         tl.store(prob_ptr + 3 * e, N + tl.zeros((BLOCK,), tl.int32), mask=m)
         tl.store(prob_ptr + 3 * e + 1, (end - beg).to(tl.int32), mask=m)
         tl.store(prob_ptr + 3 * e + 2, K + tl.zeros((BLOCK,), tl.int32), mask=m)
-        tl.store(pa_ptr + e, w_base + e.to(tl.int64) * N * K * w_elem_bytes, mask=m)
-        if SCALES:
-            tl.store(ps_ptr + e, s_base + e.to(tl.int64) * s_per_expert, mask=m)
+        tl.store(pa_ptr + e, w_base + e.to(tl.int64) * N * K * elem_bytes, mask=m)
         tl.store(pb_ptr + e, x_base + beg * K * elem_bytes, mask=m)
         tl.store(pd_ptr + e, out_base + beg * N * elem_bytes, mask=m)
 
 
-def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor,
-                 scales_E: Tensor | None = None) -> tuple[Tensor, ...]:
+def group_tables(offsets_E: Tensor, w_ENK: Tensor, x_TK: Tensor, out_TN: Tensor) -> tuple[Tensor, ...]:
     """Per expert e (rows offsets[e-1]:offsets[e] of x and out, offsets[-1] read as 0):
 
     Returns:
+        (problems, pa, pb, pd), the order of the C entry that takes them:
         problems: int32 (E, 3) rows (N, tokens of e, K), the GEMM of each expert with the
             weight as CUTLASS's M operand;
-        pa, pb, pd: int64 (E,) device addresses of w[e], x[first row of e], out[first row of e];
-        with ``scales_E``, (problems, pa, pb, ps, pd) (the order of the C entry that takes
-        them, ``NAME_forward_scaled``): ps, int64 (E,) addresses of scales_E[e].
+        pa, pb, pd: int64 (E,) device addresses of w[e], x[first row of e], out[first row of e].
 
     Args:
         offsets_E: (E,) int32 / int64 cumulative end rows (non-decreasing, at most T). Other
             values are clamped: each group is [offsets[e-1], offsets[e]] clamped to [0, T]
             (empty where it would be negative); groups may then overlap (the results there
-            are undefined, as for design (a)), but none reaches outside x and out.
-            w_ENK (E, N, K): only its shape and base address are read (a transposed view
-            gives the dgrad's tables: w^T (E, K, N) per expert, the same memory),
-            x_TK (T, K), out_TN (T, N): contiguous, one element size, on offsets' device
-            (w's may differ: the FP8 codes of design (b)).
-        scales_E: (E, ...) contiguous per expert (design (b)'s E8M0 scales), or None.
+            are undefined, as for a weight-pass grouped GEMM), but none reaches outside x
+            and out.
+        w_ENK: (E, N, K), only its shape and base address are read (a transposed view
+            gives the dgrad's tables: w^T (E, K, N) per expert, the same memory).
+        x_TK: (T, K), out_TN: (T, N): contiguous; w, x and out of one element size, on
+            offsets' device.
     """
     E, N, K = w_ENK.shape
     dev = offsets_E.device
     problems = torch.empty(E, 3, dtype=torch.int32, device=dev)
     pa, pb, pd = (torch.empty(E, dtype=torch.int64, device=dev) for _ in range(3))
-    ps = torch.empty(E if scales_E is not None else 0, dtype=torch.int64, device=dev)
     if E:
-        s_base = scales_E.data_ptr() if scales_E is not None else 0
-        s_per = scales_E[0].numel() * scales_E.element_size() if scales_E is not None else 0
-        _group_tables_kernel[(1,)](offsets_E.contiguous(), problems, pa, pb, pd, ps, E, N, K, x_TK.shape[0],
-                                   w_ENK.data_ptr(), x_TK.data_ptr(), out_TN.data_ptr(), s_base, x_TK.element_size(),
-                                   w_ENK.element_size(), s_per, SCALES=scales_E is not None, BLOCK=BLOCK)
-    return (problems, pa, pb, pd) if scales_E is None else (problems, pa, pb, ps, pd)
+        _group_tables_kernel[(1,)](offsets_E.contiguous(), problems, pa, pb, pd, E, N, K, x_TK.shape[0],
+                                   w_ENK.data_ptr(), x_TK.data_ptr(), out_TN.data_ptr(), x_TK.element_size(),
+                                   BLOCK=BLOCK)
+    return problems, pa, pb, pd

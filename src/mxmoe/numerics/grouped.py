@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
-from .mx_tensor import quantize_mx
+from .mx_tensor import torch_quantize_mx
 
 
 def padded_group_layout(offsets_E: Tensor, n_rows: int, block_size: int = MX_BLOCK_SIZE,
@@ -93,5 +93,5 @@ def torch_quantize_grouped_dim0(
         dtype, E8M0 scales (C, Tp / 32), int32 (E,) padded cumulative ends.
     """
     padded, padded_offsets = scatter_to_padded_groups(x_TC, offsets_E)
-    mx = quantize_mx(padded.t(), fmt, dim=1, scale_mode=scale_mode)  # blocks along tokens
+    mx = torch_quantize_mx(padded.t(), fmt, dim=1, scale_mode=scale_mode)  # blocks along tokens
     return mx.qdata, mx.scale, padded_offsets

@@ -1,4 +1,10 @@
-"""Public MX quantization API: :func:`quantize_mx`, :func:`dequantize_mx`, :class:`MXTensor`.
+"""The MX tensor and its pure-torch quantizer: :class:`MXTensor`, :func:`torch_quantize_mx`,
+:func:`torch_dequantize_mx`.
+
+These are the reference (docs/NUMERICS.md) and the CPU backend. The public
+:func:`mxmoe.quantize_mx` / :func:`mxmoe.dequantize_mx` (:mod:`mxmoe.ops.quantize`) choose
+between them and the Triton kernels by the rule of :mod:`mxmoe.ops.backend`; every
+backend gives the same bytes.
 
 Layout conventions (shared by every backend):
 - ``qdata`` keeps the logical shape of the (padded) input, contiguous, with the blocked
@@ -10,7 +16,6 @@ Layout conventions (shared by every backend):
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -22,33 +27,6 @@ from .reference import decode_elements, pack_fp4, torch_dequantize_blocks, torch
 
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = ("auto", "reference", "triton")
-TRITON_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
-TRITON_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def use_triton(device: torch.device, dtype: torch.dtype, fmt: ElemFormat, block_size: int, backend: str) -> bool:
-    """Resolve ``backend`` for data of ``dtype`` on ``device``: "reference" (pure torch, any device),
-    "triton" (the kernels of :mod:`mxmoe.kernels`: FP8 formats, block 32, float32/bfloat16
-    input, CUDA tensors or TRITON_INTERPRET=1), "auto" (Triton for CUDA tensors where it
-    applies, else the reference).
-
-    Raises:
-        ValueError: unknown backend, or "triton" asked for what it does not cover.
-    """
-    if backend == "reference":
-        return False
-    covered = fmt in TRITON_FORMATS and block_size == MX_BLOCK_SIZE and dtype in TRITON_DTYPES
-    if backend == "auto":
-        return device.type == "cuda" and covered and importlib.util.find_spec("triton") is not None
-    if backend == "triton":
-        if not covered:
-            raise ValueError(
-                f"backend='triton' covers e4m3/e5m2 elements, block_size 32 and float32/bfloat16 data; "
-                f"got fmt={fmt.value!r}, block_size={block_size}, dtype {dtype}: use backend='reference'"
-            )
-        return True
-    raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
 
 
 @dataclass
@@ -102,12 +80,13 @@ class MXTensor:
         FP8 NaN codes give NaN)."""
         return decode_elements(self.codes(), self.fmt)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, backend: str = "auto") -> Tensor:
-        """Values P_i * 2^(b - 127), computed exactly in float32, then rounded to ``dtype``.
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Values P_i * 2^(b - 127), computed exactly in float32, then rounded to ``dtype``
+        (pure torch: :func:`torch_dequantize_mx`; :func:`mxmoe.dequantize_mx` also runs
+        the Triton kernel on CUDA).
 
         Args:
             dtype: float32, bfloat16 or float16.
-            backend: as :func:`dequantize_mx`.
 
         Returns:
             Tensor of shape :attr:`shape` (padding dropped), contiguous; blocks with scale
@@ -116,7 +95,7 @@ class MXTensor:
         Raises:
             TypeError: ``dtype`` is not a supported float dtype.
         """
-        return dequantize_mx(self, dtype, backend)
+        return torch_dequantize_mx(self, dtype)
 
 
 def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
@@ -152,7 +131,7 @@ def check_block_multiple(size: int, dim: int, block_size: int, pad: bool) -> Non
         )
 
 
-def quantize_mx(
+def torch_quantize_mx(
     x: Tensor,
     fmt: ElemFormat | str = ElemFormat.E4M3,
     *,
@@ -160,13 +139,11 @@ def quantize_mx(
     dim: int = -1,
     scale_mode: ScaleMode | str = ScaleMode.RCEIL,
     pad: bool = False,
-    backend: str = "auto",
 ) -> MXTensor:
     """Quantize ``x`` to an MX format, blocks of ``block_size`` consecutive values along ``dim``.
 
+    The pure-torch reference of :func:`mxmoe.quantize_mx` (any device, every format).
     Rules: docs/NUMERICS.md (OCP MX v1.0; ``rceil`` is NVIDIA's MXFP8 training recipe).
-    ``backend`` picks the pure-torch reference (any device, every format) or the Triton
-    kernels (FP8 elements, block 32, float32/bfloat16 input); both give the same bytes.
 
     Args:
         x: float32, bfloat16 or float16; any rank >= 1, any strides (non-contiguous views,
@@ -178,9 +155,6 @@ def quantize_mx(
         pad: zero-pad ``dim`` up to a multiple of ``block_size`` (remembered in
             ``orig_size``; dequantization returns the original shape). Zeros never change
             a block's amax, so the scales equal those of the unpadded blocks.
-        backend: "auto" (default: the Triton kernels for CUDA tensors, FP8 formats and
-            block 32; the reference otherwise), "reference" or "triton". Every backend
-            gives the same bytes.
 
     Returns:
         :class:`MXTensor` with contiguous ``qdata`` and ``scale``. Not differentiable: they
@@ -195,25 +169,13 @@ def quantize_mx(
 
     Raises:
         TypeError: ``x`` is not a float32/bfloat16/float16 tensor.
-        ValueError: unknown ``fmt``, ``scale_mode`` or ``backend``; ``dim`` out of range;
-            size along ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd
-            block size with "e2m1"; backend="triton" for what it does not cover.
+        ValueError: unknown ``fmt`` or ``scale_mode``; ``dim`` out of range; size along
+            ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd block size
+            with "e2m1".
     """
-    fmt = ElemFormat.parse(fmt)
-    scale_mode = ScaleMode.parse(scale_mode)
-    dim = check_quantize_args(x, block_size, dim)
-    x = x.detach()  # not differentiable, on every backend (the MX ops' autograd Functions own gradients)
-    if fmt is ElemFormat.E2M1 and block_size % 2:
-        raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
+    fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
     size = x.shape[dim]
-    remainder = size % block_size
-    check_block_multiple(size, dim, block_size, pad)
-    if use_triton(x.device, x.dtype, fmt, block_size, backend):
-        from ..kernels.quantize import quantize_along_dim
-
-        q, s = quantize_along_dim(x, dim, fmt.value, scale_mode.value, pad)
-        return MXTensor(q, s, fmt, block_size, dim, scale_mode, size)
-    if remainder:
+    if size % block_size:
         x = zero_pad_to_block(x, dim, block_size)
     blocks = blocked_view(x.contiguous(), dim, block_size)
     codes, scale_bits = torch_quantize_blocks(blocks, fmt, scale_mode)
@@ -224,6 +186,27 @@ def quantize_mx(
     scale_shape[dim] //= block_size
     scale = scale_bits.view(scale_shape).view(torch.float8_e8m0fnu)
     return MXTensor(qdata, scale, fmt, block_size, dim, scale_mode, size)
+
+
+def check_quantize_call(x: Tensor, fmt: ElemFormat | str, block_size: int, dim: int,
+                        scale_mode: ScaleMode | str, pad: bool) -> tuple[ElemFormat, ScaleMode, int, Tensor]:
+    """Validate a quantizer call (every backend runs this first).
+
+    Returns:
+        ``(fmt, scale_mode, dim, x)``: the parsed enums, ``dim`` made non-negative and ``x``
+        detached (quantization is not differentiable on any backend: the MX ops' autograd
+        Functions own gradients).
+
+    Raises:
+        The errors of :func:`torch_quantize_mx`.
+    """
+    fmt = ElemFormat.parse(fmt)
+    scale_mode = ScaleMode.parse(scale_mode)
+    dim = check_quantize_args(x, block_size, dim)
+    if fmt is ElemFormat.E2M1 and block_size % 2:
+        raise ValueError(f"e2m1 packs two elements per byte: block_size must be even, got {block_size}")
+    check_block_multiple(x.shape[dim], dim, block_size, pad)
+    return fmt, scale_mode, dim, x.detach()
 
 
 def zero_pad_to_block(x: Tensor, dim: int, block_size: int) -> Tensor:
@@ -243,43 +226,39 @@ def blocked_view(x: Tensor, dim: int, block_size: int) -> Tensor:
     return x.view(P, shape[dim] // block_size, block_size, S)
 
 
-def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str = "auto") -> Tensor:
-    """Dequantize ``mx``: v'_i = P_i * 2^(b - 127) exactly in float32, then cast to ``dtype``.
-
-    Args:
-        mx: an :class:`MXTensor`.
-        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
-        backend: "auto" (the Triton kernel for CUDA FP8 tensors and float32/bfloat16
-            output), "reference" or "triton"; every backend gives the same values
-            (blocks with scale 255 are NaN; the NaN payload bits of bfloat16/float16
-            output follow the device's float conversion, e.g. 0x7FC0 or 0xFFFF).
-
-    Returns:
-        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was;
-        never requires grad.
+def check_dequantize_call(mx: MXTensor, dtype: torch.dtype) -> None:
+    """Validate a dequantizer call (every backend runs this first).
 
     Raises:
-        TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
-        ValueError: unknown backend, or "triton" for what it does not cover.
+        TypeError: ``mx`` is not an MXTensor or ``dtype`` is not float32/bfloat16/float16.
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
     if dtype not in SUPPORTED_OUTPUT_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-    with torch.no_grad():  # not differentiable, on every backend (as quantize_mx)
-        return _dequantize(mx, dtype, backend)
 
 
-def _dequantize(mx: MXTensor, dtype: torch.dtype, backend: str) -> Tensor:
-    if use_triton(mx.qdata.device, dtype, mx.fmt, mx.block_size, backend):
-        from ..kernels.quantize import dequantize_rowwise
+def torch_dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Dequantize ``mx`` in pure torch: v'_i = P_i * 2^(b - 127) exactly in float32, then
+    cast to ``dtype`` (the reference of :func:`mxmoe.dequantize_mx`).
 
-        values = dequantize_rowwise(mx.qdata.movedim(mx.dim, -1), mx.scale.movedim(mx.dim, -1), dtype)
-        return values.narrow(-1, 0, mx.orig_size).movedim(-1, mx.dim).contiguous()
-    codes = mx.codes().contiguous()
-    blocks = blocked_view(codes, mx.dim, mx.block_size)
-    scale_bits = mx.scale.view(torch.uint8).reshape(blocks.shape[0], blocks.shape[1], 1, blocks.shape[3])
-    values = torch_dequantize_blocks(blocks, scale_bits, mx.fmt).view(codes.shape)
-    if mx.orig_size != codes.shape[mx.dim]:
-        values = values.narrow(mx.dim, 0, mx.orig_size)
-    return values.to(dtype).contiguous()
+    Args:
+        mx: an :class:`MXTensor`.
+        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
+
+    Returns:
+        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was;
+        blocks with scale 255 are NaN; never requires grad.
+
+    Raises:
+        TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
+    """
+    check_dequantize_call(mx, dtype)
+    with torch.no_grad():
+        codes = mx.codes().contiguous()
+        blocks = blocked_view(codes, mx.dim, mx.block_size)
+        scale_bits = mx.scale.view(torch.uint8).reshape(blocks.shape[0], blocks.shape[1], 1, blocks.shape[3])
+        values = torch_dequantize_blocks(blocks, scale_bits, mx.fmt).view(codes.shape)
+        if mx.orig_size != codes.shape[mx.dim]:
+            values = values.narrow(mx.dim, 0, mx.orig_size)
+        return values.to(dtype).contiguous()

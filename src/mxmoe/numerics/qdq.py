@@ -1,7 +1,7 @@
 """Fused quantize-dequantize ("fake quantization") in pure torch.
 
-``fake_quantize_mx(x, ...)`` returns exactly ``quantize_mx(x, ...).dequantize(out_dtype)``
-(tests/test_qdq.py checks it bit for bit) with fewer passes over memory, which is what
+``torch_fake_quantize_mx(x, ...)`` returns exactly ``torch_quantize_mx(x, ...).dequantize(out_dtype)``
+(tests/numerics/test_qdq.py checks it bit for bit) with fewer passes over memory, which is what
 the emulated MXFP8 GEMMs need on the CPU:
 
 - blocks are reached through a view (no transposes), and the scales are applied by
@@ -22,15 +22,7 @@ import torch
 from torch import Tensor
 
 from .formats import E8M0_EXPONENT_BIAS, MX_BLOCK_SIZE, ElemFormat, ScaleMode
-from .mx_tensor import (
-    TRITON_DTYPES,
-    blocked_view,
-    check_block_multiple,
-    check_quantize_args,
-    quantize_mx,
-    use_triton,
-    zero_pad_to_block,
-)
+from .mx_tensor import blocked_view, check_quantize_call, torch_quantize_mx, zero_pad_to_block
 from .reference import block_amax, e8m0_to_float32, exp2i, torch_mx_scale_bits
 
 # Where the FP8 bits go inside a wider float: shift left by (target mantissa bits - element
@@ -56,7 +48,7 @@ def _fp8_codes_to_float(codes: Tensor, fmt: ElemFormat, out_dtype: torch.dtype) 
     return bits.view(out_dtype) * (2.0 ** (out_bias - spec.bias))
 
 
-def fake_quantize_mx(
+def torch_fake_quantize_mx(
     x: Tensor,
     fmt: ElemFormat | str = ElemFormat.E4M3,
     *,
@@ -65,15 +57,13 @@ def fake_quantize_mx(
     scale_mode: ScaleMode | str = ScaleMode.RCEIL,
     pad: bool = False,
     out_dtype: torch.dtype | None = None,
-    backend: str = "auto",
 ) -> Tensor:
-    """``quantize_mx(x, ...).dequantize(out_dtype)`` in one pass-light function.
+    """``torch_quantize_mx(x, ...).dequantize(out_dtype)`` in one pass-light function (the
+    pure-torch backend of :func:`mxmoe.fake_quantize_mx`).
 
     Args:
         x, fmt, block_size, dim, scale_mode, pad: as :func:`~mxmoe.quantize_mx`.
         out_dtype: float32, bfloat16 or float16; default x's dtype.
-        backend: "auto", "reference" or "triton", as for :func:`~mxmoe.quantize_mx`
-            (the Triton path is one fused kernel pass: ``torch.ops.mxmoe.fake_quantize``).
 
     Returns:
         Tensor of x's shape and ``out_dtype``, contiguous, equal bit for bit to the
@@ -82,24 +72,15 @@ def fake_quantize_mx(
     Raises:
         The errors of :func:`~mxmoe.quantize_mx`.
     """
-    fmt = ElemFormat.parse(fmt)
-    scale_mode = ScaleMode.parse(scale_mode)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    dim = check_quantize_args(x, block_size, dim)
-    x = x.detach()  # not differentiable, on every backend (as quantize_mx)
-    if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
-        check_block_multiple(x.shape[dim], dim, block_size, pad)
-        from ..kernels.quantize import fake_quantize
-
-        return fake_quantize(x, dim, fmt.value, scale_mode.value, out_dtype)
+    fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
     fast = fmt in (ElemFormat.E4M3, ElemFormat.E5M2) and out_dtype in _FAST_OUT and x.dtype in _FAST_OUT
     size = x.shape[dim]
     if not fast or (size % block_size and not pad):
-        mx = quantize_mx(x, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode, pad=pad, backend="reference")
-        return mx.dequantize(out_dtype)
+        return torch_quantize_mx(x, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode, pad=pad).dequantize(out_dtype)
     if size % block_size:  # zero padding leaves every amax, hence every scale, unchanged
-        out = fake_quantize_mx(zero_pad_to_block(x, dim, block_size), fmt, block_size=block_size, dim=dim,
-                               scale_mode=scale_mode, out_dtype=out_dtype, backend="reference")
+        out = torch_fake_quantize_mx(zero_pad_to_block(x, dim, block_size), fmt, block_size=block_size, dim=dim,
+                                     scale_mode=scale_mode, out_dtype=out_dtype)
         return out.narrow(dim, 0, size).contiguous()
     spec = fmt.spec
     xb = blocked_view(x.contiguous(), dim, block_size)  # (P, n_blocks, block_size, S)

@@ -137,7 +137,7 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
 
     On CUDA this stays free of host synchronization: a contiguous 2-D x (the GEMM outputs
     here, which nothing else references yet) is zeroed in place by a kernel that reads the
-    last offset on the device (:mod:`mxmoe.kernels.rows`), other layouts through a mask. On
+    last offset on the device (:mod:`mxmoe.kernels.grouped_zero_fill`), other layouts through a mask. On
     the CPU reading the last offset costs nothing and the common case is a no-op (under
     torch.compile the mask, which needs no host read).
     """
@@ -153,7 +153,7 @@ def zero_rows_past_end(x_TC: Tensor, offsets_E: Tensor) -> Tensor:
         return out
     if x_TC.device.type == "cuda" and x_TC.is_contiguous() and x_TC.dim() == 2 and _TRITON_AVAILABLE:
         # an output fresh from the GEMM: zero its tail in place, moving no data when there is none
-        from ..kernels.rows import zero_rows_past_end_
+        from ..kernels.grouped_zero_fill import zero_rows_past_end_
 
         return zero_rows_past_end_(x_TC, offsets_E)
     keep = torch.arange(T, device=x_TC.device) < offsets_E[-1].to(torch.int64)
@@ -217,6 +217,41 @@ def grouped_mm_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, all_rows: boo
     return out if all_rows else zero_rows_past_end(out, offsets_E)
 
 
+_CPU_TILE_COLS = 16  # columns torch's CPU grouped GEMM may load at once past a group's end
+
+
+def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The wgrad operands for torch's CPU ``torch._grouped_mm`` when columns lie past
+    offsets[-1]: contiguous copies whose columns from offsets[-1] up to a multiple of 16
+    are zeros where a column past offsets[-1] holds NaN or inf (the operands unchanged
+    otherwise: finite values there contribute exact zeros).
+
+    torch 2.13's CPU kernel (AVX-512) loads the last group's columns in tiles past
+    offsets[-1], and multiplies the extra ones by zero: NaN or inf there (rows a caller
+    left past the last offset) turned whole weight gradients into NaN, and a view ending
+    inside a tile was read past its end. On the CPU reading the last offset costs no
+    device sync; under torch.compile the columns are masked instead."""
+    L = a_NL.shape[1]
+    if torch.compiler.is_compiling():
+        keep = torch.arange(L, device=a_NL.device) < offsets_E[-1].to(torch.int64)
+        end = L
+        a_NL = torch.where(keep, a_NL, torch.zeros((), dtype=a_NL.dtype))
+        b_KL = torch.where(keep, b_KL, torch.zeros((), dtype=b_KL.dtype))
+    else:
+        end = min(L, int(offsets_E[-1]))
+        if end == L or (torch.isfinite(a_NL[:, end:]).all() and torch.isfinite(b_KL[:, end:]).all()):
+            # nothing past the last offset, or only finite values, which the kernel
+            # multiplies by zero: the operands as they are
+            return a_NL, b_KL, L
+    Lp = -(-end // _CPU_TILE_COLS) * _CPU_TILE_COLS
+    out = []
+    for t in (a_NL, b_KL):
+        buf = t.new_zeros(t.shape[0], Lp)
+        buf[:, :end] = t[:, :end]
+        out.append(buf)
+    return out[0], out[1], Lp
+
+
 def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups: bool = False) -> Tensor:
     """dw[e] = a[:, group e] @ b[:, group e]^T (the wgrad, contraction over tokens L);
     exact zeros for empty groups.
@@ -238,6 +273,10 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups
     E = offsets_E.numel()
     if L == 0 or E == 0:
         return a_NL.new_zeros(E, N, K)
+    if a_NL.device.type == "cpu":
+        a_NL, b_KL, L = _cpu_wgrad_operands(a_NL, b_KL, offsets_E)
+        if L == 0:
+            return a_NL.new_zeros(E, N, K)
     if _use_grouped_mm(a_NL, b_KL) and (K * a_NL.element_size()) % _ALIGN_BYTES == 0:
         out = _grouped_mm(a_NL, b_KL.t(), offsets_E)
     elif _grouped_mm_device_ok(a_NL):  # pad N, K and L to 16 bytes: no per-expert loop, no host sync
@@ -253,7 +292,7 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups
         return out
     if out.device.type == "cuda" and out.is_contiguous() and _TRITON_AVAILABLE:
         # an output fresh from the GEMM: zero only the empty experts' matrices, in place
-        from ..kernels.rows import zero_empty_groups_
+        from ..kernels.grouped_zero_fill import zero_empty_groups_
 
         return zero_empty_groups_(out, offsets_E)
     sizes = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1, dtype=torch.int64))

@@ -8,11 +8,13 @@ x (T, K) holds tokens sorted by expert; expert e owns rows offsets[e-1]:offsets[
     wgrad    dw_e  = dout_e^T x_e    dout and x along tokens, each expert's tokens blocked
                                      separately and zero padded to a multiple of 32
 
-Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Nothing here
-synchronizes with the host on CUDA, except the first design (g) forward or dgrad of a shape
-on a device (its stride arrays: kernels/cutlass_wq.py) and its build at first use. Rows
-past offsets[-1] are never read: their outputs and input gradients are exact zeros.
-Experts with no tokens get exact zero gradients.
+Every copy is quantized from the high-precision tensor (docs/NUMERICS.md). Which
+implementation runs each pass is decided by :func:`mxmoe.ops.backend.grouped_gemm_backend`
+(one documented rule). Nothing here synchronizes with the host on CUDA, except the first
+CUTLASS quantized-weight forward or dgrad of a shape on a device (its stride arrays:
+kernels/cutlass_mx_grouped_gemm.py) and that library's build at first use. Rows past
+offsets[-1] are never read: their outputs and input gradients are exact zeros. Experts
+with no tokens get exact zero gradients.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import cutlass_wq
+from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
+from .backend import GroupedGemmBackend, grouped_gemm_backend
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize, fake_quantize_grouped_tokens_pair
-from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn, use_native_mx_grouped_mm
+from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
+from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn
 from .weight_cache import active_cache, dgrad_operand, weight_operands
 
 
@@ -37,15 +40,15 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         # quantizer only each expert's tokens), and the outputs there are written as zeros
         ctx.save_for_backward(x_TK, w_ENK, offsets_E)
         ctx.recipe = recipe
-        ctx.native = recipe.quantize and use_native_mx_grouped_mm(x_TK.device, recipe)
+        backend = grouped_gemm_backend("forward", x_TK, w_ENK, offsets_E, recipe,
+                                        weight_cached=active_cache(w_ENK) is not None)
+        ctx.native = backend is GroupedGemmBackend.NATIVE_MXFP8
         ctx.wq_dgrad = None
         if ctx.native:  # sm100: block-scaled MXFP8 tensor cores (untested on hardware)
             return native_grouped_mm_nt(x_TK, w_ENK, offsets_E, recipe, out_dtype=dtype)
-        xq_TK = fake_quantize(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
-        # sm90, few tokens per expert, no cached weight copy: design (g) quantizes the raw
-        # weight inside the GEMM (kernels/cutlass_wq.py), same values as the pass below
-        if active_cache(w_ENK) is None and cutlass_wq.applies(x_TK, w_ENK, offsets_E, recipe):
-            out = cutlass_wq.grouped_mm_nt_wq(xq_TK, w_ENK, offsets_E, recipe)
+        xq_TK = fake_quantize_operand(x_TK, recipe, dim=1, out_dtype=dtype) if recipe.quantize else x_TK.to(torch.bfloat16)
+        if backend is GroupedGemmBackend.CUTLASS_QUANTIZED_WEIGHT:  # same values as the pass below
+            out = cutlass_mx_grouped_gemm.grouped_mm_nt_wq(xq_TK, w_ENK, offsets_E, recipe)
             if out is not None:
                 return out
         # w along K; inside weight_copy_cache() also the dgrad copy (along N), from one read
@@ -64,8 +67,9 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = native_grouped_mm_nn(dy_TN, w_ENK, offsets_E, recipe, out_dtype=dtype)
             if ctx.needs_input_grad[1]:
-                dw = (grouped_mm_tn(dy_TN.t(), x_TK.t(), offsets_E) if recipe.wgrad_high_precision
-                      else native_grouped_mm_tn(dy_TN, x_TK, offsets_E, recipe)).to(w_ENK.dtype)
+                wgrad = grouped_gemm_backend("wgrad", dy_TN, w_ENK, offsets_E, recipe)
+                dw = (native_grouped_mm_tn(dy_TN, x_TK, offsets_E, recipe) if wgrad is GroupedGemmBackend.NATIVE_MXFP8
+                      else grouped_mm_tn(dy_TN.t(), x_TK.t(), offsets_E)).to(w_ENK.dtype)
             return dx, dw, None, None
         if ctx.needs_input_grad[0]:
             dx = _dgrad(dy_TN, w_ENK, offsets_E, recipe, ctx.wq_dgrad)
@@ -90,11 +94,11 @@ def _dgrad(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe, wq_d
     if not recipe.quantize:
         return grouped_mm_nn(dy_TN.to(torch.bfloat16), dgrad_operand(w_ENK, recipe, torch.bfloat16, wq_dgrad),
                              offsets_E).to(dtype)
-    dyq_TN = fake_quantize(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
-    # sm90, few tokens per expert, no cached copy: design (g)'s dgrad quantizes the raw
-    # weight along N inside the GEMM (kernels/cutlass_wq.py), same values as the pass below
-    if wq_dgrad is None and active_cache(w_ENK) is None and cutlass_wq.applies(dy_TN, w_ENK, offsets_E, recipe, "dgrad"):
-        dx = cutlass_wq.grouped_mm_nn_wq(dyq_TN, w_ENK, offsets_E, recipe)
+    dyq_TN = fake_quantize_operand(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
+    backend = grouped_gemm_backend("dgrad", dy_TN, w_ENK, offsets_E, recipe,
+                                   weight_cached=wq_dgrad is not None or active_cache(w_ENK) is not None)
+    if backend is GroupedGemmBackend.CUTLASS_QUANTIZED_WEIGHT:  # same values as the pass below
+        dx = cutlass_mx_grouped_gemm.grouped_mm_nn_wq(dyq_TN, w_ENK, offsets_E, recipe)
         if dx is not None:
             return dx
     wq_ENK = dgrad_operand(w_ENK, recipe, dtype, wq_dgrad)  # along N
@@ -119,13 +123,12 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     Raises:
         TypeError, ValueError: as :func:`mx_grouped_mm` (dy in x's place, with N for K).
 
-    On sm90 with bf16 dy and w and few tokens per expert it runs design (g)
-    (kernels/cutlass_wq.py), as the backward does.
+    The implementation follows :func:`mxmoe.ops.backend.grouped_gemm_backend`, as in the backward.
     """
     recipe = get_recipe(recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
-        if recipe.quantize and use_native_mx_grouped_mm(dy.device, recipe):
+        if grouped_gemm_backend("dgrad", dy, w, offsets, recipe) is GroupedGemmBackend.NATIVE_MXFP8:
             return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
         return _dgrad(dy.contiguous(), w, offsets, recipe)
 
@@ -134,8 +137,8 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
 # ops around them still compile); this is the one note for all of them (mx_grouped_mm,
 # mx_linear, mx_moe_experts, the layer's MXFP8 combine and dispatch rounding): Dynamo's
 # tracing of them returned zero gradients on the H200 (torch 2.11; root cause not pinned
-# down, benchmarks/results/h200_compile/README.md), and their kernels are custom ops
-# Inductor cannot fuse into anyway (tests/test_compile.py).
+# down), and their kernels are custom ops Inductor cannot fuse into anyway
+# (tests/nn/test_compile.py).
 _apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
 
 

@@ -27,7 +27,7 @@ FP8 + E8M0 along F (2F bytes per row + 1/32), against the bf16 layer's x, h and 
 (2D + 6F bytes per row). Following DeepSeek-V3 (arXiv 2412.19437, section 3.3: SwiGLU
 inputs cached in FP8, the output recomputed in the backward), the backward of SwiGLU and
 the weight gradient of w2 use the dequantized saved h: this differs from the composed
-path (:class:`~mxmoe.moe.SwiGLUExperts` without fusion) only in the backward, by the MXFP8
+path (:class:`~mxmoe.nn.moe.SwiGLUExperts` without fusion) only in the backward, by the MXFP8
 rounding of h.
 
 Every step has a pure-torch reference (CPU and any device) and a Triton path (CUDA, or
@@ -43,10 +43,17 @@ from torch.autograd.function import once_differentiable
 
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
-from ..numerics.mx_tensor import MXTensor, dequantize_mx, quantize_mx, use_triton
-from ..recipe import Recipe
+from ..numerics.mx_tensor import MXTensor
+from .backend import use_triton
+from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize, fake_quantize_grouped_tokens, fake_quantize_grouped_tokens_pair
+from .quantize import (
+    dequantize_mx,
+    fake_quantize_grouped_tokens,
+    fake_quantize_grouped_tokens_pair,
+    fake_quantize_operand,
+    quantize_mx,
+)
 from .weight_cache import dgrad_operand, weight_operands
 
 BLOCK = 32
@@ -61,10 +68,10 @@ def gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, recipe: Recipe) -> Te
     """(A, D) bf16: x[src[a]] quantized to MXFP8 along D and dequantized (the forward
     GEMM operand), the gather fused into the quantizer's read on the Triton path."""
     if _triton(recipe, x_TD.device, x_TD.dtype):
-        from ..kernels.moe import triton_gather_fake_quantize_rows
+        from ..kernels.moe_experts import triton_gather_fake_quantize_rows
 
         return triton_gather_fake_quantize_rows(x_TD, src_A, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
-    return fake_quantize(x_TD.index_select(0, src_A), recipe, dim=1, out_dtype=GEMM_DTYPE)
+    return fake_quantize_operand(x_TD.index_select(0, src_A), recipe, dim=1, out_dtype=GEMM_DTYPE)
 
 
 def quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe
@@ -72,7 +79,7 @@ def quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, reci
     """x[src] quantized along tokens, each expert's tokens in their own blocks: codes
     (D, Ap), E8M0 scales (D, Ap / 32), padded offsets (E,) int32."""
     if _triton(recipe, x_TD.device, x_TD.dtype):
-        from ..kernels.moe import triton_quantize_grouped_gather
+        from ..kernels.moe_experts import triton_quantize_grouped_gather
 
         return triton_quantize_grouped_gather(x_TD, src_A, offsets_E, recipe.fmt, recipe.scale_mode)
     return torch_quantize_grouped_dim0(x_TD.index_select(0, src_A), offsets_E, recipe.fmt, recipe.scale_mode)
@@ -86,7 +93,7 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
     """act = silu(gate) * up in float32, quantized to MXFP8 along F and dequantized to bf16
     (A, F); h's codes (A, 2F) and E8M0 scales (A, 2F / 32), blocks along F."""
     if _triton(recipe, h_A2F.device, h_A2F.dtype):
-        from ..kernels.moe import triton_swiglu_quantize
+        from ..kernels.moe_experts import triton_swiglu_quantize
 
         return triton_swiglu_quantize(h_A2F, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
     A, F2 = h_A2F.shape
@@ -94,7 +101,7 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
     mx = quantize_mx(h_A2F.reshape(A, 2, F), recipe.fmt, block_size=BLOCK, dim=2, scale_mode=recipe.scale_mode,
                      backend="reference")
     g, u = h_A2F.float().chunk(2, dim=1)
-    act = fake_quantize(_silu_f32(g) * u, recipe, dim=1, out_dtype=GEMM_DTYPE)
+    act = fake_quantize_operand(_silu_f32(g) * u, recipe, dim=1, out_dtype=GEMM_DTYPE)
     return act, mx.qdata.reshape(A, F2), mx.scale.reshape(A, F2 // BLOCK)
 
 
@@ -102,7 +109,7 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
     """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
     recomputed act (A, F), both bf16, float32 math on the dequantized gate and up."""
     if _triton(recipe, dact_AF.device, dact_AF.dtype):
-        from ..kernels.moe import triton_swiglu_backward
+        from ..kernels.moe_experts import triton_swiglu_backward
 
         return triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE)
     A, F = dact_AF.shape
@@ -132,7 +139,7 @@ def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype,
     if rows_A.shape != (x_AD.shape[0],):
         raise ValueError(f"rows must have shape ({x_AD.shape[0]},), one per row of x, got {tuple(rows_A.shape)}")
     if _triton(recipe, x_AD.device, x_AD.dtype):
-        from ..kernels.moe import triton_sum_token_rows
+        from ..kernels.moe_experts import triton_sum_token_rows
 
         return triton_sum_token_rows(x_AD, rows_A, k, out_dtype)
     T, D = x_AD.shape[0] // k, x_AD.shape[1]
@@ -178,7 +185,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         recipe: Recipe = ctx.recipe
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
         # w2: dgrad along D, wgrad along tokens
-        dyq = fake_quantize(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
+        dyq = fake_quantize_operand(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
         w2q = dgrad_operand(w2, recipe, GEMM_DTYPE, ctx.w2q_dgrad)  # (E, D, F) along D
         dact_AF = grouped_mm_nn(dyq, w2q, offsets_E, all_rows=True)  # (A, D) x (E, D, F) -> (A, F)
         del dyq, w2q
@@ -189,7 +196,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         dw2 = grouped_mm_tn(dy_t, act_t, po, nonempty_groups=True)  # (E, D, F); padded layout: empty experts give 0
         del dy_t, act_t, act_AF
         # w13: dgrad along 2F, wgrad along tokens
-        dhq = fake_quantize(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
+        dhq = fake_quantize_operand(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
         w13q = dgrad_operand(w13, recipe, GEMM_DTYPE, ctx.w13q_dgrad)  # (E, 2F, D) along 2F
         dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
         del dhq, w13q
@@ -229,7 +236,7 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
 
 
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
-                   recipe: Recipe) -> Tensor:
+                   recipe: Recipe | str) -> Tensor:
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
 
     Args:
@@ -239,7 +246,7 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A (every row
             belongs to an expert: the GEMMs skip zeroing rows past the end).
         w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F).
-        recipe: a recipe for which :func:`supports_fused_experts` holds.
+        recipe: a :class:`~mxmoe.recipe.Recipe` or its name, for which :func:`supports_fused_experts` holds.
 
     Returns:
         (A, D) in x's dtype: expert outputs of the sorted rows.
@@ -252,6 +259,7 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
     ``mxmoe.ops.grouped_mm._apply``).
     """
+    recipe = get_recipe(recipe)
     E, F2, D = w13_E2FD.shape
     if not supports_fused_experts(D, F2 // 2, recipe):
         raise ValueError(f"the fused MXFP8 expert op needs an FP8 recipe with block 32, no high-precision wgrad, "

@@ -1,4 +1,11 @@
-"""Quantize-dequantize ("fake quantization") of GEMM operands, as the recipe prescribes.
+"""MX quantization with a backend: the public :func:`quantize_mx`, :func:`dequantize_mx`,
+:func:`fake_quantize_mx`, and the quantize-dequantize ("fake quantization") of GEMM
+operands as the recipe prescribes.
+
+Each function validates its arguments, then runs the Triton kernels of
+:mod:`mxmoe.kernels.quantize` or the pure-torch reference of :mod:`mxmoe.numerics` by rule
+1 of :mod:`mxmoe.ops.backend`; both give the same bytes (tests/kernels check them bit for
+bit against the reference).
 
 The emulated MXFP8 GEMMs of :mod:`mxmoe.ops.linear` and :mod:`mxmoe.ops.grouped_mm`
 quantize each operand along its contraction dimension and multiply the dequantized
@@ -17,14 +24,139 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.grouped import scatter_to_padded_groups
-from ..numerics.mx_tensor import TRITON_DTYPES, use_triton
-from ..numerics.qdq import fake_quantize_mx
+from ..numerics.mx_tensor import (
+    MXTensor,
+    check_dequantize_call,
+    check_quantize_call,
+    torch_dequantize_mx,
+    torch_quantize_mx,
+)
+from ..numerics.qdq import torch_fake_quantize_mx
 from ..recipe import Recipe
+from .backend import TRITON_DTYPES, use_triton
+
+
+def quantize_mx(
+    x: Tensor,
+    fmt: ElemFormat | str = ElemFormat.E4M3,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    dim: int = -1,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    pad: bool = False,
+    backend: str = "auto",
+) -> MXTensor:
+    """Quantize ``x`` to an MX format, blocks of ``block_size`` consecutive values along ``dim``.
+
+    Rules: docs/NUMERICS.md (OCP MX v1.0; ``rceil`` is NVIDIA's MXFP8 training recipe).
+
+    Args:
+        x: float32, bfloat16 or float16; any rank >= 1, any strides (non-contiguous views,
+            such as transposes, give the same result as their contiguous copy).
+        fmt: "e4m3" (default), "e5m2", "e3m2", "e2m3", "e2m1" or "int8".
+        block_size: values per block, 32 in the OCP spec; even for "e2m1" (packing).
+        dim: the blocked dimension.
+        scale_mode: "rceil" (default) or "floor".
+        pad: zero-pad ``dim`` up to a multiple of ``block_size`` (remembered in
+            ``orig_size``; dequantization returns the original shape). Zeros never change
+            a block's amax, so the scales equal those of the unpadded blocks.
+        backend: "auto" (default: the Triton kernels for CUDA tensors, FP8 formats and
+            block 32; the reference otherwise), "reference" or "triton" (rule 1 of
+            :mod:`mxmoe.ops.backend`). Every backend gives the same bytes.
+
+    Returns:
+        :class:`~mxmoe.numerics.MXTensor` with contiguous ``qdata`` (the format's storage
+        dtype, e.g. ``float8_e4m3fn``, shape of the padded input) and ``scale``
+        (``float8_e8m0fnu``, ``dim`` divided by ``block_size``). Not differentiable.
+
+    Note: under ``rceil`` a block whose amax is within one element step of float32's
+    largest value rounds its largest element up to 2^(emax+1) (e4m3: 256 with scale
+    2^120), which dequantizes to inf in float32. That is what the rule of
+    docs/NUMERICS.md gives; it needs inputs above 3.3e38.
+
+    Raises:
+        TypeError: ``x`` is not a float32/bfloat16/float16 tensor.
+        ValueError: unknown ``fmt``, ``scale_mode`` or ``backend``; ``dim`` out of range;
+            size along ``dim`` not a multiple of ``block_size`` and ``pad`` is False; odd
+            block size with "e2m1"; backend="triton" for what it does not cover.
+    """
+    fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
+    if use_triton(x.device, x.dtype, fmt, block_size, backend):
+        from ..kernels.quantize import quantize_along_dim
+
+        q, s = quantize_along_dim(x, dim, fmt.value, scale_mode.value, pad)
+        return MXTensor(q, s, fmt, block_size, dim, scale_mode, x.shape[dim])
+    return torch_quantize_mx(x, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode, pad=pad)
+
+
+def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, backend: str = "auto") -> Tensor:
+    """Dequantize ``mx``: v'_i = P_i * 2^(b - 127) exactly in float32, then cast to ``dtype``.
+
+    Args:
+        mx: an :class:`~mxmoe.numerics.MXTensor`.
+        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
+        backend: "auto" (the Triton kernel for CUDA FP8 tensors and float32/bfloat16
+            output), "reference" or "triton"; every backend gives the same values
+            (blocks with scale 255 are NaN; the NaN payload bits of bfloat16/float16
+            output follow the device's float conversion, e.g. 0x7FC0 or 0xFFFF).
+
+    Returns:
+        Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was;
+        never requires grad.
+
+    Raises:
+        TypeError: ``mx`` is not an MXTensor or ``dtype`` is not a supported float dtype.
+        ValueError: unknown backend, or "triton" for what it does not cover.
+    """
+    check_dequantize_call(mx, dtype)
+    if use_triton(mx.qdata.device, dtype, mx.fmt, mx.block_size, backend):
+        from ..kernels.quantize import dequantize_rowwise
+
+        with torch.no_grad():
+            values = dequantize_rowwise(mx.qdata.movedim(mx.dim, -1), mx.scale.movedim(mx.dim, -1), dtype)
+            return values.narrow(-1, 0, mx.orig_size).movedim(-1, mx.dim).contiguous()
+    return torch_dequantize_mx(mx, dtype)
+
+
+def fake_quantize_mx(
+    x: Tensor,
+    fmt: ElemFormat | str = ElemFormat.E4M3,
+    *,
+    block_size: int = MX_BLOCK_SIZE,
+    dim: int = -1,
+    scale_mode: ScaleMode | str = ScaleMode.RCEIL,
+    pad: bool = False,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """``quantize_mx(x, ...).dequantize(out_dtype)`` in one pass (one fused kernel on the
+    Triton backend, ``torch.ops.mxmoe.fake_quantize_along_dim``).
+
+    Args:
+        x, fmt, block_size, dim, scale_mode, pad, backend: as :func:`quantize_mx`.
+        out_dtype: float32, bfloat16 or float16; default x's dtype.
+
+    Returns:
+        Tensor of x's shape and ``out_dtype``, contiguous, equal bit for bit to the
+        dequantized MXTensor. Never requires grad.
+
+    Raises:
+        The errors of :func:`quantize_mx`.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
+    if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
+        from ..kernels.quantize import fake_quantize_along_dim
+
+        return fake_quantize_along_dim(x, dim, fmt.value, scale_mode.value, out_dtype)
+    return torch_fake_quantize_mx(x, fmt, block_size=block_size, dim=dim, scale_mode=scale_mode, pad=pad,
+                                  out_dtype=out_dtype)
 
 
 @torch.no_grad()
-def fake_quantize(x: Tensor, recipe: Recipe, dim: int, out_dtype: torch.dtype) -> Tensor:
+def fake_quantize_operand(x: Tensor, recipe: Recipe, dim: int, out_dtype: torch.dtype) -> Tensor:
     """Quantize ``x`` along ``dim`` with the recipe's format and scale rule, dequantize.
 
     The size along ``dim`` need not be a multiple of the block size: the tail block is
@@ -62,7 +194,7 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
     Returns:
         ``(xq_CTp, padded_offsets_E)``: (C, Tp) dequantized values, the transposed view of
         a contiguous (Tp, C) tensor (written without a transpose; ``torch._grouped_mm``
-        takes any layout at about the same speed, ``benchmarks/wgrad_layout.py``), and
+        takes any layout at about the same speed on the H200), and
         (E,) int32 cumulative ends in the padded token layout.
     """
     if out_dtype in TRITON_DTYPES and use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size,
@@ -73,7 +205,7 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
                                                                recipe.scale_mode.value, out_dtype)
         return xq_TpC.t(), padded_offsets
     padded_TpC, padded_offsets = scatter_to_padded_groups(x_TC, offsets_E, recipe.block_size)
-    xq = fake_quantize(padded_TpC, recipe, dim=0, out_dtype=out_dtype)
+    xq = fake_quantize_operand(padded_TpC, recipe, dim=0, out_dtype=out_dtype)
     return xq.t(), padded_offsets
 
 
@@ -113,7 +245,7 @@ def fake_quantize_grouped_tokens_pair(a_TC: Tensor, b_TC: Tensor, offsets_E: Ten
 
 @torch.no_grad()
 def fake_quantize_rowcol(x: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(fake_quantize(x, dim=-1), fake_quantize(x, dim=-2))`` of a 2-D tensor (T, C) or a
+    """``(fake_quantize_operand(x, dim=-1), fake_quantize_operand(x, dim=-2))`` of a 2-D tensor (T, C) or a
     3-D expert weight (E, N, K), bit for bit, with one read of x on the Triton backend (the
     training rule of docs/NUMERICS.md: each copy is quantized from x itself, along the
     contraction dimension of the GEMM that reads it).
@@ -139,5 +271,5 @@ def fake_quantize_rowcol(x: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> t
         from ..kernels.quantize import fake_quantize_rowcol as kernel
 
         return kernel(x, recipe.fmt.value, recipe.scale_mode.value, out_dtype)
-    return (fake_quantize(x, recipe, dim=-1, out_dtype=out_dtype),
-            fake_quantize(x, recipe, dim=-2, out_dtype=out_dtype))
+    return (fake_quantize_operand(x, recipe, dim=-1, out_dtype=out_dtype),
+            fake_quantize_operand(x, recipe, dim=-2, out_dtype=out_dtype))

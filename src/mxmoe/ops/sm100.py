@@ -3,7 +3,7 @@
 **Untested on hardware.** This project has no Blackwell GPU. Everything here is checked on
 the CPU only, against an emulator of the PyTorch op that enforces the argument rules below
 (``tests/test_sm100.py``). Treat the first run on a B200/B300 as the first real test
-(``benchmarks/check_grouped_cuda.py`` compares against float64 products).
+(``tests/gpu`` compares it against float64 products).
 
 What PyTorch runs: ``torch._scaled_grouped_mm`` (or, where it exists,
 ``torch.nn.functional.scaled_grouped_mm`` with ``ScalingType.BlockWise1x32`` and
@@ -47,21 +47,19 @@ Legend: T tokens, K / N contraction and output features, E experts, L padded tok
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat
+from ..numerics.formats import MX_BLOCK_SIZE
 from ..numerics.grouped import scatter_to_padded_groups, torch_quantize_grouped_dim0
 from ..numerics.layout import BLOCKED_TILE_COLS, BLOCKED_TILE_ROWS, to_blocked_scales
-from ..numerics.mx_tensor import quantize_mx, use_triton
 from ..recipe import Recipe
+from .backend import scaled_grouped_mm_api, use_triton
 from .gemm import zero_rows_past_end
+from .quantize import quantize_mx
 
-NATIVE_MIN_CAPABILITY = (10, 0)  # block-scaled MMA (tcgen05); torch refuses majors other than 9 and 10
-NATIVE_CAPABILITY_MAJOR = 10
 DIM_ALIGN = 16  # torch: mat_a.size(-1), mat_b.size(-2), mat_b.size(-1) multiples of 16
 NATIVE_OUT_DTYPE = torch.bfloat16  # the only output dtype of the MXFP8 grouped kernel
 _SUBTILE_ROWS = 32
@@ -70,71 +68,6 @@ _TILE_BYTES = BLOCKED_TILE_ROWS * BLOCKED_TILE_COLS  # 512 bytes per 128 x 4 sca
 
 def _ceil_to(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def scaled_grouped_mm_api() -> str | None:
-    """Which PyTorch entry point this torch has: "functional"
-    (``torch.nn.functional.scaled_grouped_mm`` with ScalingType / SwizzleType), "private"
-    (``torch._scaled_grouped_mm``, scale layout implied by the e8m0 dtype) or None."""
-    F = torch.nn.functional
-    if (hasattr(F, "scaled_grouped_mm") and hasattr(F, "ScalingType") and hasattr(F, "SwizzleType")
-            and hasattr(F.ScalingType, "BlockWise1x32") and hasattr(F.SwizzleType, "SWIZZLE_32_4_4")):
-        return "functional"
-    if hasattr(torch, "_scaled_grouped_mm"):
-        return "private"
-    return None
-
-
-def recipe_supported(recipe: Recipe) -> bool:
-    """The native kernel covers E4M3 elements, E8M0 scales, blocks of 32 (either scale rule:
-    the scales are computed here, the kernel only reads them)."""
-    return recipe.quantize and recipe.fmt is ElemFormat.E4M3 and recipe.block_size == MX_BLOCK_SIZE
-
-
-def use_native_mx_grouped_mm(device: torch.device | str, recipe: Recipe | None = None) -> bool:
-    """True where ``mx_grouped_mm`` should call PyTorch's native MXFP8 grouped GEMM.
-
-    Requires a CUDA device of capability major 10 (B200 / B300; torch refuses sm120 for
-    this op), a torch with ``_scaled_grouped_mm`` (or ``nn.functional.scaled_grouped_mm``),
-    a build that has the kernel (probed once per device with a tiny GEMM checked against
-    its float64 value), and, if given, a recipe the kernel covers (:func:`recipe_supported`;
-    ``wgrad_high_precision`` recipes use it for forward and dgrad only: the caller decides).
-    Untested on hardware: see the module docstring.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if recipe is not None and not recipe_supported(recipe):
-        return False
-    if scaled_grouped_mm_api() is None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index)[0] != NATIVE_CAPABILITY_MAJOR:
-        return False
-    return _probe(index)
-
-
-@functools.cache
-def _probe(index: int) -> bool:
-    """Run a 3-expert GEMM (one empty expert, jagged groups) once and compare it with the
-    float64 product of the same quantized operands; any error or mismatch disables the path."""
-    from ..recipe import get_recipe
-
-    device = torch.device("cuda", index)
-    gen = torch.Generator().manual_seed(0)
-    sizes = [40, 0, 88]
-    x = torch.randn(sum(sizes), 64, generator=gen).to(device)
-    w = torch.randn(len(sizes), 32, 64, generator=gen).to(device)
-    offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    try:
-        out = native_grouped_mm_nt(x, w, offsets, get_recipe("mxfp8")).double()
-        torch.cuda.synchronize(device)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
-    xq = quantize_mx(x, "e4m3", dim=1).dequantize().double()
-    wq = quantize_mx(w, "e4m3", dim=2).dequantize().double()
-    ref = torch.cat([xq[:40] @ wq[0].t(), xq[40:] @ wq[2].t()])
-    return bool(torch.isfinite(out).all()) and bool(((out - ref).abs() <= 2.0**-7 * ref.abs() + 1e-3).all())
 
 
 # ---- scale layouts ------------------------------------------------------------------
@@ -392,7 +325,6 @@ def native_grouped_mm_tn(dy_TN: Tensor, x_TK: Tensor, offsets_E: Tensor, recipe:
 
 
 __all__ = [
-    "NATIVE_MIN_CAPABILITY",
     "ScaledGroupedMMArgs",
     "blocked_scales_3d",
     "blocked_scales_k_groups",
@@ -404,7 +336,4 @@ __all__ = [
     "native_grouped_mm_nn",
     "native_grouped_mm_nt",
     "native_grouped_mm_tn",
-    "recipe_supported",
-    "scaled_grouped_mm_api",
-    "use_native_mx_grouped_mm",
 ]

@@ -4,7 +4,7 @@ The MXFP8 GEMMs quantize each weight along the contraction dimension of the GEMM
 reads it: the forward along K (w_NK / w_ENK blocked along its last dimension) and the
 dgrad along N (blocked along the dimension before it). Made per call, each copy is a
 read and a write of the whole weight; at E = 64 experts that is 22-43% of the grouped
-GEMM's time on the H200 (benchmarks/results/h200_wgrad/). A weight changes only at the
+GEMM's time on the H200. A weight changes only at the
 optimizer step, so with gradient accumulation over M micro-batches one quantization per
 step can serve all 2M of those GEMMs. Transformer Engine does the same for its FP8
 weights (``is_first_microbatch``), and so do Megatron's FP8 parameters; ``torch.autocast``
@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from ..recipe import Recipe
-from .quantize import fake_quantize, fake_quantize_rowcol
+from .quantize import fake_quantize_operand, fake_quantize_rowcol
 
 FWD_DIM = -1  # the forward GEMM contracts over K, the weight's last dimension
 DGRAD_DIM = -2  # the dgrad contracts over N, the dimension before it
@@ -128,7 +128,7 @@ class WeightCopyCache:
         if len(missing) == 2:
             entry.copies[FWD_DIM], entry.copies[DGRAD_DIM] = fake_quantize_rowcol(w, recipe, out_dtype=out_dtype)
         elif missing:
-            entry.copies[missing[0]] = fake_quantize(w, recipe, dim=missing[0], out_dtype=out_dtype)
+            entry.copies[missing[0]] = fake_quantize_operand(w, recipe, dim=missing[0], out_dtype=out_dtype)
         return tuple(entry.copies[d] for d in dims)
 
 
@@ -179,7 +179,7 @@ def weight_operands(w: Tensor, recipe: Recipe, out_dtype: torch.dtype, dgrad: bo
     if not recipe.quantize and (cache is None or w.dtype == out_dtype):
         return w.to(out_dtype), (w.to(out_dtype) if dgrad and cache is not None else None)
     if cache is None:
-        return fake_quantize(w, recipe, dim=FWD_DIM, out_dtype=out_dtype), None
+        return fake_quantize_operand(w, recipe, dim=FWD_DIM, out_dtype=out_dtype), None
     if not dgrad:
         return cache.copies(w, recipe, out_dtype, (FWD_DIM,))[0], None
     return cache.copies(w, recipe, out_dtype, (FWD_DIM, DGRAD_DIM))
@@ -194,5 +194,5 @@ def dgrad_operand(w: Tensor, recipe: Recipe, out_dtype: torch.dtype, made: Tenso
     if not recipe.quantize and (cache is None or w.dtype == out_dtype):
         return w.to(out_dtype)
     if cache is None:
-        return fake_quantize(w, recipe, dim=DGRAD_DIM, out_dtype=out_dtype)
+        return fake_quantize_operand(w, recipe, dim=DGRAD_DIM, out_dtype=out_dtype)
     return cache.copies(w, recipe, out_dtype, (DGRAD_DIM,))[0]

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The whole GPU check of mxmoe on one H200 (or any CUDA machine), in one command from the repo root:
+#   1. the test suite, tests/gpu first: python3 -m pytest -q tests/gpu tests
+#   2. every benchmark in --quick mode: grouped_mm, moe_layer, quantize, linear, train_step
+#      (expert_parallel too where the machine has 2 GPUs)
+#
+# Usage (repo root):  OUT=<dir> COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_h200.sh [--full] [--no-tests] [--no-bench]
+#   --full      the benchmarks' full shape lists instead of --quick (needs more than 10 minutes)
+#   --no-tests  benchmarks only;  --no-bench  tests only
+# Environment:
+#   OUT        where the log and the JSON files go (default benchmarks/results): run_h200.log plus one
+#              <subject>.json per benchmark, at most 7 files
+#   COMMIT     recorded in the JSON files where .git did not travel with the tree (default: git, else "unknown")
+#   TOTAL_S    time budget of the whole run in seconds (default 570); each step gets what is left, capped:
+#   TESTS_S    cap of the test suite (default 330); BENCH_S: cap of each benchmark (default 150)
+#   MXMOE_CACHE_DIR  the CUTLASS quantized-weight GEMM builds (tests/gpu skips that GEMM's checks without them)
+# SonicMoE: if .hopper/activate exists (made by ../shared/tools/hopper-bundle and carried to the machine),
+# it is sourced first, and moe_layer.py times SonicMoE too.
+# Exit status: 0 if every step passed, else 1.
+set -u
+cd "$(dirname "$0")/.."
+FULL=0 TESTS=1 BENCH=1
+for arg in "$@"; do
+  case $arg in
+    --full) FULL=1 ;;
+    --no-tests) TESTS=0 ;;
+    --no-bench) BENCH=0 ;;
+    *) echo "unknown argument $arg; use --full, --no-tests, --no-bench" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+LOG=$OUT/run_h200.log
+: > "$LOG"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ -f .hopper/activate ]; then
+  # shellcheck disable=SC1091
+  source .hopper/activate && echo "sourced .hopper/activate (SonicMoE)" | tee -a "$LOG"
+fi
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "no CUDA device (or python3 cannot import torch): run this on the GPU machine" | tee -a "$LOG" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee -a "$LOG"
+echo "commit $COMMIT" | tee -a "$LOG"
+
+DEADLINE=$(( $(date +%s) + ${TOTAL_S:-570} ))
+FAILED=()
+# step NAME CAP_S SHOW CMD...: run CMD under min(CAP_S, time left), output to the log (SHOW=1: also here)
+step() {
+  local name=$1 cap=$2 show=$3; shift 3
+  local left=$(( DEADLINE - $(date +%s) ))
+  local limit=$(( left < cap ? left : cap ))
+  if [ "$limit" -lt 20 ]; then
+    echo "=== $name: skipped, the time budget is spent" | tee -a "$LOG"; FAILED+=("$name (not run)"); return
+  fi
+  echo "=== $name: $* (limit ${limit}s)" | tee -a "$LOG"
+  local t0=$(date +%s) rc
+  if [ "$show" = 1 ]; then
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"; rc=${PIPESTATUS[0]}
+  else
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1; rc=$?
+  fi
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 ))s$([ "$rc" = 124 ] && echo ' (time limit)')" | tee -a "$LOG"
+  [ "$rc" = 0 ] || FAILED+=("$name (exit $rc)")
+}
+
+if [ "$TESTS" = 1 ]; then
+  step tests "${TESTS_S:-330}" 0 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/gpu tests
+  grep -E "^(FAILED|ERROR) |^SKIPPED |^[0-9]+ (passed|failed|skipped|error)" "$LOG" | tail -40
+fi
+if [ "$BENCH" = 1 ]; then
+  MODE=--quick; [ "$FULL" = 1 ] && MODE=
+  for script in grouped_mm moe_layer quantize linear train_step; do
+    step "$script" "${BENCH_S:-150}" 1 python3 "benchmarks/$script.py" $MODE --results-dir "$OUT"
+  done
+  if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)"; then
+    step expert_parallel "${BENCH_S:-150}" 1 python3 benchmarks/expert_parallel.py $MODE --results-dir "$OUT"
+  else
+    echo "=== expert_parallel: skipped (needs 2 GPUs)" | tee -a "$LOG"
+  fi
+fi
+if [ ${#FAILED[@]} -eq 0 ]; then
+  echo "run_h200: every step passed; log and JSON in $OUT" | tee -a "$LOG"; exit 0
+fi
+echo "run_h200: FAILED: ${FAILED[*]}; log in $LOG" | tee -a "$LOG"
+exit 1

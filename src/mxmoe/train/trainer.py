@@ -1,0 +1,579 @@
+"""The training loop: AdamW, warmup + cosine decay, gradient clipping, evaluation,
+atomic checkpoints, exact resume, one log line and one metrics line per step.
+
+One loop (:func:`train`) runs in one process or on each of P expert-parallel ranks under
+torchrun (``cfg.expert_parallel = P``); the expert-parallel pieces it uses are those of
+:mod:`mxmoe.distributed` (sharded experts, the ranks' batch slices, gradient all-reduce,
+gathered checkpoints) and :class:`~mxmoe.train.step.ExpertParallelStep`.
+
+Determinism: the batch of step s is drawn from a generator seeded with (seed, s), the
+model has no dropout, so a run resumed from a checkpoint draws the same batches and, on
+the same machine, computes the same losses as an uninterrupted one. Over P ranks every
+rank draws the same global batch and keeps its slice of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..distributed.batch import evaluate_expert_parallel, rank_slice
+from ..distributed.ep import shard_experts
+from ..distributed.launch import DistEnv, init_expert_parallel
+from ..distributed.sync import gather_state, load_sharded_model_state
+from ..models import ModelConfig, MoETransformer
+from ..recipe import BACKENDS, RECIPES, get_recipe
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    MetricsWriter,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_metrics,
+    write_json,
+)
+from .data import Corpus, eval_batches, load_corpus, random_batch
+from .step import ExpertParallelStep, TrainStep
+
+METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.json"
+# Steady-state speed: the step time skips the first WARMUP_STEPS_SKIPPED steps (allocator and
+# kernel warm-up), here and in compare.py's reading of metrics.jsonl
+WARMUP_STEPS_SKIPPED = 5
+# the batch of step s is drawn from a generator seeded with seed * _SEED_STRIDE + s
+_SEED_STRIDE = 1_000_003
+# Settings a resumed run may change: where it runs and logs, and how long it goes on (a
+# larger --steps stretches the cosine schedule from the resumed step on).
+RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend",
+                     "overwrite", "cuda_graph")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the model shape (``model``).
+
+    Attributes:
+        recipe: precision recipe name ("bf16", "mxfp8", "mxfp8-floor", "mxfp8-bf16-wgrad").
+        quant_backend: quantizer backend of the recipe ("auto": Triton kernels on CUDA,
+            "reference": pure torch, "triton"); every backend gives the same codes, scales
+            and values (NaN payload bits aside).
+        batch_size: sequences per step. seq_len: tokens per sequence.
+        steps: optimizer steps. lr: peak learning rate; warmup_steps linear warmup, then
+            cosine decay to lr * min_lr_ratio at the last step.
+        weight_decay: AdamW decay of matrices (not of norms). beta1, beta2: AdamW betas.
+        grad_clip: max global gradient norm (0 disables clipping).
+        seed: initialization and data-order seed.
+        eval_interval: evaluate every n steps (and at steps 0 and ``steps``); eval_batches
+            batches per split.
+        ckpt_interval: checkpoint every n steps (and at the end); 0: only at the end.
+        out_dir: where config.json, metrics.jsonl and checkpoint.pt go.
+        data: corpus path (None: the Python standard library).
+        device: "auto" (cuda if available), "cpu", "cuda" or "cuda:N".
+        progress: show a progress bar.
+        overwrite: start anew in an ``out_dir`` that holds a run (its files are replaced);
+            otherwise such a run is refused unless resuming.
+        expert_parallel: P > 1 spreads the experts over P ranks (run under torchrun, one
+            process per rank; :mod:`mxmoe.distributed`); each rank takes batch_size / P
+            sequences of every batch (batch_size is the global batch).
+        cuda_graph: on a CUDA device, replay each step from a CUDA graph after the first
+            (:mod:`mxmoe.train.step`: removes the host's launch cost, which bounds small
+            models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
+            expert-parallel runs.
+        model: the model shape.
+    """
+
+    recipe: str = "mxfp8"
+    quant_backend: str = "auto"
+    batch_size: int = 16
+    seq_len: int = 256
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 50
+    eval_batches: int = 4
+    ckpt_interval: int = 100
+    out_dir: str = "runs/mxmoe"
+    data: str | None = None
+    device: str = "auto"
+    progress: bool = True
+    overwrite: bool = False
+    expert_parallel: int = 1
+    cuda_graph: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting and what would work."""
+        if self.recipe not in RECIPES:
+            _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
+        if self.quant_backend not in BACKENDS:
+            _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
+        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _bad(f"{name} must be a positive integer, got {value!r}")
+        if self.ckpt_interval < 0 or self.warmup_steps < 0:
+            _bad("ckpt_interval and warmup_steps must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            _bad(f"lr must be a positive number, got {self.lr}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            _bad(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            _bad(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            _bad(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _bad(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.seq_len > self.model.max_seq_len:
+            _bad(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        self.model.validate()
+        if isinstance(self.expert_parallel, bool) or not isinstance(self.expert_parallel, int) \
+                or self.expert_parallel < 1:
+            _bad(f"expert_parallel must be a positive integer, got {self.expert_parallel!r}")
+        if self.model.n_experts % self.expert_parallel:
+            _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
+                 f"ranks; use a number of experts divisible by {self.expert_parallel}")
+        if self.batch_size % self.expert_parallel:
+            _bad(f"--batch-size {self.batch_size} does not split over --expert-parallel {self.expert_parallel} "
+                 f"ranks; use a multiple of {self.expert_parallel} (the global batch)")
+        if self.model.mx_dispatch and not RECIPES[self.recipe].quantize:
+            _bad(f"--mx-dispatch rounds expert inputs to MXFP8; recipe {self.recipe!r} does not quantize")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the config (the model config nested); :meth:`from_dict` reverses it."""
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The config :meth:`to_dict` wrote (the model config nested)."""
+        d = dict(d)
+        model = ModelConfig.from_dict(d.pop("model"))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(model=model, **{k: v for k, v in d.items() if k in known})
+
+
+def _bad(msg: str):
+    raise ValueError(msg)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup over
+    ``warmup_steps``, then cosine decay from lr to lr * min_lr_ratio at ``steps``."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda if available, else cpu; otherwise torch.device(name).
+
+    Raises:
+        ValueError: an unknown device name, or a CUDA device asked for and none available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device; use --device cpu")
+    return dev
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this run: CUDA allocator peak on GPU, process peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, batches, device: torch.device) -> float:
+    """Mean cross entropy (nats per token) over ``batches``."""
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        total += model(x.to(device), y.to(device)).ce_loss.item()
+    model.train()
+    return total / len(batches)
+
+
+@dataclass
+class TrainResult:
+    """Summary of a finished run: first and last losses of the whole run (resumed parts
+    included, read back from metrics.jsonl); wall time, speed and memory of this call
+    (``steps``: optimizer steps it ran)."""
+
+    first_loss: float
+    last_loss: float
+    first_val_loss: float
+    last_val_loss: float
+    wall_s: float
+    tokens_per_s: float
+    ms_per_step: float
+    peak_mem_gib: float
+    steps: int
+    out_dir: str
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        tqdm.write(msg, file=sys.stdout)
+    else:
+        print(msg, flush=True)
+
+
+class PreparedRun(NamedTuple):
+    """What :func:`prepare_run` read: the output directory, the corpus, the fixed eval
+    batches of each split ((x, y) int64 (batch_size, seq_len) pairs) and, on resume, the
+    loaded checkpoint (None otherwise)."""
+
+    out: Path
+    corpus: Corpus
+    val_sets: list
+    train_eval_sets: list
+    checkpoint: dict | None
+
+
+def holds_run(out: Path) -> bool:
+    """``out`` has a run's metrics or checkpoint in it."""
+    return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists()
+
+
+_MISSING = object()
+
+# the `mxmoe train` flag of each model setting (the top-level settings are --<key with dashes>)
+_MODEL_FLAGS = {"vocab_size": "--vocab-size", "d_model": "--width", "n_layers": "--layers", "n_heads": "--heads",
+                "n_experts": "--experts", "top_k": "--top-k", "d_expert": "--expert-width",
+                "moe_every": "--moe-every", "d_ff_dense": "--dense-width", "shared_expert": "--shared-expert",
+                "max_seq_len": "--seq-len", "aux_loss_coef": "--aux-loss-coef", "z_loss_coef": "--z-loss-coef",
+                "quantized": "--quantize", "dtype": "--dtype", "mx_dispatch": "--mx-dispatch"}
+
+
+def _settings_diff(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, saved value, new value) of every setting that differs between two config dicts;
+    a nested dict (the model's) is compared key by key, its keys named ``<key>.<subkey>``
+    (``model.n_layers``). A key on one side only differs (its missing value is shown as
+    ``None``)."""
+    diff = []
+    for k in list(now) + [k for k in saved if k not in now]:
+        a, b = saved.get(k, _MISSING), now.get(k, _MISSING)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff += _settings_diff(a, b, f"{prefix}{k}.")
+        elif a is _MISSING or b is _MISSING or a != b:
+            diff.append((f"{prefix}{k}", None if a is _MISSING else a, None if b is _MISSING else b))
+    return diff
+
+
+_NO_FLAG = ("beta1", "beta2")  # settings of the API only
+
+
+def _setting_name(key: str) -> str:
+    """``key`` with its `mxmoe train` flag, e.g. ``model.d_model (--width)``."""
+    model_key = key.removeprefix("model.")
+    if model_key != key:
+        flag = _MODEL_FLAGS.get(model_key)
+    else:
+        flag = None if key in _NO_FLAG else "--" + key.replace("_", "-")
+    return f"{key} ({flag})" if flag else key
+
+
+def _check_ranks(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
+    """A checkpoint resumes on the number of ranks that wrote it (checked before the other
+    settings, for its clearer message): it holds one optimizer state per rank. A checkpoint
+    without the ``expert_parallel`` key was written by one process."""
+    saved_p = checkpoint.get("expert_parallel", 1)
+    if saved_p != cfg.expert_parallel:
+        raise ValueError(f"the checkpoint in {str(out)!r} was written with --expert-parallel {saved_p}, this run has "
+                         f"--expert-parallel {cfg.expert_parallel}: resume on the same number of ranks (the optimizer "
+                         f"state is stored per rank)")
+
+
+def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> PreparedRun:
+    """Everything that can refuse a run, checked before any file is touched: the output
+    directory, the corpus (loaded from ``cfg.data`` unless given) against the model's
+    vocabulary, the eval batches, and on ``resume`` the checkpoint (its number of ranks,
+    then its settings and its step against ``cfg``).
+
+    Raises:
+        ValueError: ``out_dir`` is a file, or holds a run and neither ``resume`` nor
+            ``cfg.overwrite``; the corpus has ids past ``vocab_size``; a split
+            shorter than seq_len + 1 tokens; a checkpoint written with another
+            ``expert_parallel``, with other settings, or already at ``cfg.steps``.
+        FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
+    """
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {str(out)!r} is a file; pass a directory")
+    if not resume and not cfg.overwrite and holds_run(out):
+        raise ValueError(f"--out-dir {str(out)!r} already holds a run ({METRICS_NAME} / {CHECKPOINT_NAME}); "
+                         f"pass --resume to continue it, --overwrite to replace it, or another --out-dir")
+    if corpus is None:
+        corpus = load_corpus(cfg.data)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, but the model's "
+                         f"vocab_size is {cfg.model.vocab_size}; set --vocab-size {corpus.vocab_size}")
+    val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    checkpoint = None
+    if resume:
+        checkpoint = load_checkpoint(out)
+        _check_ranks(cfg, checkpoint, out)
+        saved = TrainConfig.from_dict(checkpoint["train_config"])
+        mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
+                      if k not in RESUME_MAY_CHANGE]
+        if mismatched:
+            raise ValueError("--resume with settings that differ from the checkpoint's: "
+                             + "; ".join(f"{_setting_name(k)}: checkpoint {a!r}, now {b!r}"
+                                         for k, a, b in mismatched)
+                             + "; use the original settings or a new --out-dir")
+        if checkpoint["step"] >= cfg.steps:
+            raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
+                             f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
+    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint)
+
+
+def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
+    """Train the MoE LM of ``cfg.model`` under ``cfg.recipe``; write config.json,
+    metrics.jsonl and checkpoint.pt to ``cfg.out_dir``.
+
+    One process (``cfg.expert_parallel == 1``), or one rank of ``cfg.expert_parallel = P``
+    (call it on every rank of a torchrun launch, or with a default process group already
+    initialized; :mod:`mxmoe.distributed`). The run is the same in both (settings,
+    schedule, batches, logs, metrics, checkpoints, exact resume); over P ranks:
+
+    - every rank builds the whole model under the run's seed (so the replicated parameters
+      agree and the experts are the single-process ones), then keeps its E / P experts
+      (:func:`~mxmoe.distributed.ep.shard_experts`);
+    - rank r takes sequences r*B/P .. (r+1)*B/P - 1 of every batch
+      (:func:`~mxmoe.distributed.batch.rank_slice`) and steps with
+      :class:`~mxmoe.train.step.ExpertParallelStep`; reported losses are the global batch's;
+    - only rank 0 prints and writes config.json, metrics.jsonl and checkpoint.pt. The
+      checkpoint holds the whole model in the single-process format (every rank's experts
+      gathered) and one optimizer state per rank; it resumes on the same P only.
+
+    Args:
+        cfg: the run's configuration (validated here, before any work).
+        resume: continue from ``out_dir/checkpoint.pt`` (same configuration required).
+        corpus: an already loaded corpus (default: ``load_corpus(cfg.data)``).
+
+    Returns:
+        :class:`TrainResult` (over P ranks: the same on every rank).
+
+    Raises:
+        ValueError: a bad setting; a checkpoint whose configuration or number of ranks
+            differs; with P > 1, no torchrun environment or WORLD_SIZE != P; with P == 1,
+            a torchrun launch of several processes.
+        FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
+        FloatingPointError: a non-finite loss (after its metrics line is written).
+    """
+    cfg.validate()
+    if cfg.expert_parallel == 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but --expert-parallel 1; pass "
+                             f"--expert-parallel {os.environ['WORLD_SIZE']} (data parallelism is not implemented)")
+        return _train(cfg, resume, corpus, resolve_device(cfg.device), None)
+    env = init_expert_parallel(cfg.expert_parallel, cfg.device)
+    result = _train(cfg, resume, corpus, env.device, env)  # on an error the process exits (torchrun stops the others)
+    if env.owns_group:
+        dist.barrier()  # nothing in flight from any peer when the connections close
+        dist.destroy_process_group()
+    return result
+
+
+def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.device,
+           env: DistEnv | None) -> TrainResult:
+    """The training loop of :func:`train` on ``device``: one process (``env`` None) or one
+    rank of an expert-parallel group (``env``)."""
+    P, rank = cfg.expert_parallel, env.rank if env is not None else 0
+    main = rank == 0
+    progress = cfg.progress and main
+    out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus)
+    if env is not None:
+        # every rank has checked the out-dir (a run already there is refused by all of them
+        # alike) before rank 0 writes into it below
+        dist.barrier()
+
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))
+    params = model.num_params()  # of the whole model (before the experts are spread)
+    flops = model.flops_per_token(cfg.seq_len)
+    if env is not None:
+        shard_experts(model)  # RNG untouched: every rank's replicated parameters stay equal
+    model = model.to(device)
+    opt = make_optimizer(model, cfg)
+    start_step = 0
+    if checkpoint is not None:
+        if env is None:
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        else:
+            load_sharded_model_state(model, checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"][rank])
+        start_step = checkpoint["step"]
+        if main:
+            truncate_metrics(out / METRICS_NAME, start_step)
+    elif main and (out / METRICS_NAME).exists():
+        (out / METRICS_NAME).unlink()  # a new run in an old directory starts a new log
+
+    if main:
+        run_info = {
+            "train": cfg.to_dict(), "params": params, "corpus": corpus.describe(), "device": str(device),
+            "torch": torch.__version__, "flops_per_token": flops,
+        }
+        where = f"device {device}"
+        if env is not None:
+            run_info["expert_parallel"] = {"ranks": P, "backend": env.backend,
+                                           "experts_per_rank": cfg.model.n_experts // P}
+            where = (f"expert parallel {P} ({env.backend}, {cfg.model.n_experts // P} experts per rank"
+                     f"{', MXFP8 dispatch' if cfg.model.mx_dispatch else ''}) | {where}")
+        write_json(out / CONFIG_NAME, run_info)
+        if cfg.warmup_steps >= cfg.steps:
+            _log(f"note: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning rate never decays "
+                 f"(the run ends in warmup)", progress)
+        _log(f"mxmoe train | recipe {cfg.recipe} | {params['total'] / 1e6:.2f}M params "
+             f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | {where}", progress)
+        if start_step:
+            _log(f"resuming from the checkpoint of step {start_step} in {out}", progress)
+
+    metrics = MetricsWriter(out / METRICS_NAME) if main else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch
+    step_times: list[float] = []
+
+    def run_eval(step: int) -> None:
+        if env is None:
+            val = evaluate(model, val_sets, device)
+            tr = evaluate(model, train_eval_sets, device)
+        else:
+            val = evaluate_expert_parallel(model, val_sets, device)
+            tr = evaluate_expert_parallel(model, train_eval_sets, device)
+        if main:
+            metrics.write({"kind": "eval", "step": step, "loss": tr, "val_loss": val})
+            _log(f"eval step {step:5d} | train loss {tr:.4f} | val loss {val:.4f}", progress)
+
+    def save(step: int) -> None:
+        if env is None:
+            save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+            return
+        gathered = gather_state(model, opt)
+        if main:
+            model_state, opt_states = gathered
+            save_checkpoint(out, {"step": step, "model": model_state, "optimizer": opt_states,
+                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+        dist.barrier()  # the checkpoint is on disk before any rank goes on
+
+    # after the checkpoint is loaded: the step puts AdamW in the mode it needs
+    def log(msg: str) -> None:
+        _log(msg, progress)
+
+    if env is None:
+        train_step = TrainStep(model, opt, cfg.grad_clip, device, cfg.cuda_graph, log=log)
+    else:
+        train_step = ExpertParallelStep(model, opt, cfg.grad_clip, tokens_per_step, cfg.model.aux_loss_coef,
+                                        cfg.model.z_loss_coef, log=log)
+    if start_step == 0:
+        run_eval(0)
+    model.train()
+    wall_start = time.perf_counter()
+    bar = tqdm(range(start_step + 1, cfg.steps + 1), initial=start_step, total=cfg.steps,
+               disable=not progress, desc=cfg.recipe, dynamic_ncols=True, file=sys.stderr)
+    for step in bar:
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
+        x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        if env is not None:
+            x, y = rank_slice(x, rank, P), rank_slice(y, rank, P)
+        lr = lr_at(step, cfg)
+        outs = train_step(x, y, lr)
+        loss = outs.ce_loss.item()  # synchronizes: the step is done
+        dt = time.perf_counter() - t0
+        counts = torch.stack(outs.tokens_per_expert).float() if outs.tokens_per_expert else None
+        load_max = (counts.max(dim=1).values / counts.mean(dim=1)).max().item() if counts is not None else 1.0
+        record = {
+            "kind": "train", "step": step, "loss": loss, "aux_loss": outs.aux_loss.item(),
+            "z_loss": outs.z_loss.item(), "grad_norm": outs.grad_norm.item(), "lr": lr,
+            "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
+            "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
+            "cuda_graph": train_step.graphed,  # False after a capture that failed (eager from then on)
+        }
+        if main:
+            metrics.write(record)
+        if not math.isfinite(loss):  # over P ranks: the same value on every rank, all stop
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
+        step_times.append(dt)
+        if main:
+            _log(f"step {step:5d} | loss {loss:.4f} | aux {record['aux_loss']:.3f} "
+                 f"| grad norm {record['grad_norm']:.3f} | lr {lr:.2e} | {record['tokens_per_s']:,.0f} tok/s "
+                 f"| {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB", progress)
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            run_eval(step)
+        if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == cfg.steps:
+            save(step)
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    wall = time.perf_counter() - wall_start
+    result = None
+    if main:
+        result = _summarize(out, step_times, wall, tokens_per_step, device)
+    if env is None:
+        return result
+    box = [result]
+    dist.broadcast_object_list(box, src=0)  # rank 0 read the metrics file: the same result on every rank
+    return box[0]
+
+
+def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step: int,
+               device: torch.device) -> TrainResult:
+    """The :class:`TrainResult` of a finished run: first and last losses of the whole run,
+    resumed parts included, from its metrics file; steady-state speed of this call's steps
+    (the median step time after the first ``WARMUP_STEPS_SKIPPED``, allocator and kernel
+    warm-up; compare.py reads metrics.jsonl the same way)."""
+    lines = [json.loads(line) for line in (out / METRICS_NAME).read_text().splitlines()]
+    train_losses = [m["loss"] for m in lines if m["kind"] == "train"]
+    val_losses = [m["val_loss"] for m in lines if m["kind"] == "eval"]
+    steps_run = len(step_times)
+    timed = step_times[min(WARMUP_STEPS_SKIPPED, steps_run // 2):] or step_times or [float("nan")]
+    step_s = statistics.median(timed)  # robust to one slow step
+    return TrainResult(
+        first_loss=train_losses[0] if train_losses else float("nan"),
+        last_loss=train_losses[-1] if train_losses else float("nan"),
+        first_val_loss=val_losses[0] if val_losses else float("nan"),
+        last_val_loss=val_losses[-1] if val_losses else float("nan"),
+        wall_s=wall, tokens_per_s=tokens_per_step / step_s, ms_per_step=step_s * 1e3,
+        peak_mem_gib=peak_memory_gib(device), steps=steps_run, out_dir=str(out),
+    )
