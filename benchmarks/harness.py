@@ -67,14 +67,21 @@ def interpret_triton_if_smoke(argv: Sequence[str] | None = None) -> bool:
     return smoke
 
 
-def add_common_args(p: argparse.ArgumentParser, timing: str = "eager") -> None:
+def add_common_args(p: argparse.ArgumentParser, timing: str | None = "eager") -> None:
     """The flags every benchmark script takes: ``--smoke``, ``--quick``, ``--results-dir``,
-    ``--no-json``, ``--timing``, ``--warmup-ms``, ``--rep-ms``.
+    ``--no-json``, and for scripts timed by :func:`bench` ``--timing``, ``--warmup-ms``,
+    ``--rep-ms``.
 
     Args:
         p: the script's parser.
-        timing: the script's default timing mode ("eager" or "graph").
+        timing: the script's default timing mode ("eager" or "graph"); None for a script
+            that times whole training steps with its own clock (no timing flags).
+
+    Raises:
+        ValueError: unknown timing mode.
     """
+    if timing is not None and timing not in TIMING_MODES:
+        raise ValueError(f"unknown timing mode {timing!r}; use one of {TIMING_MODES} or None")
     g = p.add_argument_group("harness")
     g.add_argument("--smoke", action="store_true",
                    help="run every code path once at tiny shapes on the CPU (Triton interpreter); no timing claims")
@@ -84,6 +91,9 @@ def add_common_args(p: argparse.ArgumentParser, timing: str = "eager") -> None:
                    help=f"where <subject>.json goes (default: {DEFAULT_RESULTS_DIR.relative_to(REPO_ROOT)}/; "
                         "with --smoke nothing is written unless this is given)")
     g.add_argument("--no-json", action="store_true", help="write no JSON file")
+    if timing is None:
+        p.set_defaults(timing=None, warmup_ms=None, rep_ms=None)
+        return
     g.add_argument("--timing", default=timing, choices=TIMING_MODES,
                    help="eager: CUDA events around each call; graph: CUDA-graph replay, device time only "
                         "(default: %(default)s)")
@@ -391,12 +401,14 @@ def standard_table(rows: Sequence[Row], baseline: str, rate_unit: str = "TFLOP/s
     return format_table(head, body)
 
 
-def title(subject: str, env: dict[str, Any], args: argparse.Namespace) -> str:
-    """The heading printed above a script's tables: subject, environment, timing mode, and
-    a warning under ``--smoke``."""
-    mode = "smoke run on the CPU: one untimed call per path, NOT measurements" if args.smoke else \
-        f"timing: {args.timing}, median of {rep_ms(args):g} ms after {args.warmup_ms:g} ms warm-up" + \
-        (" (--quick)" if args.quick else "")
+def title(subject: str, env: dict[str, Any], args: argparse.Namespace, timing: str | None = None) -> str:
+    """The heading printed above a script's tables: subject, environment, timing (``timing``,
+    or the :func:`bench` settings of the flags), and a warning under ``--smoke``."""
+    if args.smoke:
+        mode = "smoke run on the CPU: one untimed call per path, NOT measurements"
+    else:
+        mode = timing or f"timing: {args.timing}, median of {rep_ms(args):g} ms after {args.warmup_ms:g} ms warm-up"
+        mode += " (--quick)" if args.quick else ""
     return f"## {subject}\n{environment_line(env)}\n{mode}\n"
 
 

@@ -95,10 +95,9 @@ def cases_2d(args, dev, recipe) -> list[harness.Row]:
         sets = harness.rotating(lambda: (torch.randn(T, C, device=dev, dtype=torch.bfloat16),), 2 * n, args.smoke)
         shape = f"({T}, {C}) bf16"
         codes = n + n // BLOCK  # FP8 codes and E8M0 scales
-        rows.append(measure("quantize_mx rows (blocks along C)", shape, lambda x: quantize_mx(x, dim=-1, backend=recipe.backend), sets,
-                            2 * n + codes, args, dev))
-        rows.append(measure("quantize_mx cols (blocks along T)", shape, lambda x: quantize_mx(x, dim=0, backend=recipe.backend), sets,
-                            2 * n + codes, args, dev))
+        for case, dim in (("quantize_mx rows (blocks along C)", -1), ("quantize_mx cols (blocks along T)", 0)):
+            rows.append(measure(case, shape, lambda x, d=dim: quantize_mx(x, dim=d, backend=recipe.backend), sets,
+                                2 * n + codes, args, dev))
         rows.append(measure("fake_quantize_rowcol, 2-D", shape,
                             lambda x: fake_quantize_rowcol(x, recipe, torch.bfloat16), sets, 2 * n + 4 * n, args, dev,
                             "two bf16 copies written"))

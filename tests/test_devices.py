@@ -1,7 +1,7 @@
 """The suite and the library on machines with and without a GPU.
 
-Session 18 ran the whole suite on the H200 (``benchmarks/h200_tests.sh``) for the first time
-and found 26 failures and 30 errors that the CPU CI cannot see, all in the tests: Triton
+A run of the whole suite on the H200 (``benchmarks/run_h200.sh``) found failures that the
+CPU CI cannot see, all in the tests: Triton
 kernels given CPU tensors (the interpreter takes them, a GPU build does not), runs on the
 "auto" device compared with CPU expectations, expert-parallel ranks on gloo handed a CUDA
 device, and checkpoints of GPU runs loaded without a map location and compared with CPU

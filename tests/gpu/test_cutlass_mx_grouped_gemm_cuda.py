@@ -132,7 +132,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bit_equal_to_the_weight_pass_path(case, monkeypatch, calls):
-    name, sizes, K, N, recipe_spec, extra = case
+    _, sizes, K, N, recipe_spec, extra = case
     recipe = get_recipe(recipe_spec) if isinstance(recipe_spec, str) else get_recipe(recipe_spec[0], **recipe_spec[1])
     if (recipe.fmt.value, recipe.scale_mode.value) != DEFAULT_BUILD:
         why = unavailable(recipe.fmt.value, recipe.scale_mode.value)

@@ -200,23 +200,16 @@ def graph_failure(x, w, dy, offsets, recipe) -> str | None:
     return "CUDA-graph replay differs from eager"
 
 
-# A device-side assert cannot be caught: it would fail every later CUDA test of the session,
-# so the one known to raise one is reported without running (remove the mark once fixed).
-# ops.gemm.grouped_mm_tn pads wgrad operands whose N or K is not a multiple of 8 into
-# row-major (N, L) copies, which puts the token groups on the contiguous dimension, where
-# torch._grouped_mm needs each group's byte size to be a multiple of 16: with the bf16
-# recipe and N = 33, "expected input tensor dynamic dimension byte size to be non-negative
-# multiple of 16" (GroupMMCommon.cuh, torch 2.11, H200). MXFP8 pads tokens per expert to 32.
-KNOWN_DEVICE_ASSERTS = {("bf16", "N=33, K=4096, 16 experts")}
+# Every case for both recipes, the bf16 recipe with N = 33 included: its wgrad operands
+# are padded with the tokens as the outer dimension (ops.gemm.grouped_mm_tn), since
+# torch._grouped_mm asserts on the device when token groups lie along the contiguous
+# dimension with sizes that are not 16-byte aligned (torch 2.11, H200).
 
 
 def _params():
     for recipe_name in ("mxfp8", "bf16"):
         for case in CASES:
-            marks = [pytest.mark.xfail(run=False, reason="device-side assert in torch._grouped_mm: row-major "
-                                       "padded bf16 wgrad operands (ops.gemm.grouped_mm_tn)")] \
-                if (recipe_name, case[0]) in KNOWN_DEVICE_ASSERTS else []
-            yield pytest.param(recipe_name, case, marks=marks, id=f"{recipe_name}-{case[0]}")
+            yield pytest.param(recipe_name, case, id=f"{recipe_name}-{case[0]}")
 
 
 @pytest.mark.parametrize("recipe_name,case", list(_params()))

@@ -5,10 +5,11 @@ tests/kernels/test_quantize_kernels.py runs the same kernels in the Triton inter
 small shapes; here they run on the GPU at model shapes: both FP8 formats, both scale
 modes, bf16 and float32 input, the shared worked cases (tests/numerics/data/mx_blocks.json)
 planted in large tensors, blocks spread over 2^-40..2^40 with NaN / inf / zeros /
-subnormals, row + column codes at tile edges and odd layouts, expert groups of 0, 1, 31
-and 33 rows, dequantization, fused quantize-dequantize, the wgrad operand pair, the
-weight's two copies, the Blackwell blocked scale layout, and ``quantize_rowcol`` replayed
-from a CUDA graph.
+subnormals; codes along either dimension at tile edges and odd layouts (partial tiles, a
+row stride wider than the row, every other expert of a 3-D stack, a start not 16-byte
+aligned); the row + column fake quantization from one read (activations and 3-D weights);
+expert groups of 0, 1, 31 and 33 rows; dequantization; the wgrad operand pair; and the
+kernels replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 pytest.importorskip("triton")
 
-from mxmoe import fake_quantize_mx, quantize_mx, to_blocked_scales  # noqa: E402
+from mxmoe import fake_quantize_mx, quantize_mx  # noqa: E402
 from mxmoe.kernels import quantize as kq  # noqa: E402
 from mxmoe.numerics.grouped import torch_quantize_grouped_dim0  # noqa: E402
 
@@ -32,7 +33,8 @@ SHAPES = ((1, 2880), (33, 96), (1000, 2880), (16384, 8192))
 W_SHAPE = (8, 256, 2880)
 GROUP_SIZES = [0, 1, 31, 33, 0, 500, 4000, 64, 7] * 3
 CASES = json.loads((Path(__file__).parents[1] / "numerics" / "data" / "mx_blocks.json").read_text())["cases"]
-FMT_MODE_DTYPE = [(f, m, d) for f in ("e4m3", "e5m2") for m in ("rceil", "floor") for d in (torch.bfloat16, torch.float32)]
+FMT_MODE_DTYPE = [(f, m, d) for f in ("e4m3", "e5m2") for m in ("rceil", "floor")
+                  for d in (torch.bfloat16, torch.float32)]
 
 
 def _id(p) -> str:
@@ -70,18 +72,16 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan], b[~nan])
 
 
-def rowcol_refs(x: torch.Tensor, fmt: str, mode: str):
-    """Reference row-wise and transposed column-wise codes and scales of x (B, R, C)."""
-    rr = quantize_mx(x, fmt, dim=2, scale_mode=mode, backend="reference")
-    rc = quantize_mx(x, fmt, dim=1, scale_mode=mode, backend="reference")
-    return rr.qdata, rr.scale, rc.qdata.transpose(1, 2), rc.scale.transpose(1, 2)
+def ref_fake(x: torch.Tensor, fmt: str, mode: str, dim: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    return fake_quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, out_dtype=out_dtype, backend="reference")
 
 
 @pytest.mark.parametrize("fmt,mode,dtype", FMT_MODE_DTYPE, ids=[_id(p) for p in FMT_MODE_DTYPE])
-def test_rowcol_layouts(fmt, mode, dtype):
-    """Row + column codes at tile edges and odd layouts: partial row and column tiles, a row
-    stride wider than the row, every other expert of a 3-D stack, a start not 16-byte
-    aligned, 33 x 33 tiles with partial last ones."""
+def test_layouts_along_both_dims(fmt, mode, dtype):
+    """Codes along the last dim and along the one before it, and the row + column fake
+    quantization from one read, at tile edges and odd layouts: partial row and column
+    tiles, a row stride wider than the row, every other expert of a 3-D stack, a start not
+    16-byte aligned, 33 x 33 tiles with partial last ones."""
     cases = {
         "(32, 64)": hard(32, 64, seed=1, dtype=dtype)[None],
         "(160, 2880)": hard(160, 2880, seed=2, dtype=dtype)[None],
@@ -94,17 +94,33 @@ def test_rowcol_layouts(fmt, mode, dtype):
     }
     if dtype == torch.bfloat16:
         cases["(2, 4160, 4192)"] = torch.stack([hard(4160, 4192, seed=40 + e, dtype=dtype) for e in range(2)])
-    failed = [name for name, x in cases.items()
-              if not all(same(a, b) for a, b in zip(kq.quantize_rowcol(x, fmt, mode), rowcol_refs(x, fmt, mode)))]
-    assert not failed, f"row + column codes differ from the reference for {failed}"
+    failed = []
+    for name, x in cases.items():
+        for dim in (2, 1):
+            q, sc = kq.quantize_along_dim(x, dim, fmt, mode)
+            ref = quantize_mx(x, fmt, dim=dim, scale_mode=mode, backend="reference")
+            if not (same(q, ref.qdata) and same(sc, ref.scale)):
+                failed.append(f"{name} codes along dim {dim}")
+        rows, cols = kq.fake_quantize_rowcol(x, fmt, mode, torch.bfloat16)
+        if not (same_values(rows, ref_fake(x, fmt, mode, -1)) and same_values(cols, ref_fake(x, fmt, mode, -2))):
+            failed.append(f"{name} fake_quantize_rowcol")
+    assert not failed, f"differ from the reference: {failed}"
 
 
-def test_rowcol_in_a_cuda_graph():
+def test_kernels_in_a_cuda_graph():
+    """Codes along a dim, the row + column fake quantization and the grouped wgrad operands
+    captured in a CUDA graph (compiled before), replayed: equal to eager."""
     x = hard(4096, 2880, seed=30, dtype=torch.bfloat16)
-    want = kq.quantize_rowcol(x)  # compiles the kernel outside the graph
+    offsets = torch.tensor([0, 1000, 31, 2000, 1065], device=DEV).cumsum(0).to(torch.int32)
+
+    def work():
+        return (*kq.quantize_along_dim(x, 0), *kq.fake_quantize_rowcol(x),
+                *kq.fake_quantize_grouped_colwise_pair(x, x[:, :1408], offsets))
+
+    want = work()  # compiles the kernels outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = kq.quantize_rowcol(x)
+        got = work()
     graph.replay()
     torch.cuda.synchronize()
     assert all(same(a, b) for a, b in zip(got, want))
@@ -121,29 +137,25 @@ def test_2d_kernels_at_large_shapes(fmt, mode, dtype):
     for M, K in SHAPES:
         x = hard(M, K, seed=M + K, dtype=dtype)
         ref = quantize_mx(x, fmt, scale_mode=mode, backend="reference")
-        q, s = kq.quantize_rowwise(x, fmt, mode)
-        check(f"rowwise ({M}, {K})", same(q, ref.qdata) and same(s, ref.scale))
+        q, sc = kq.quantize_along_dim(x, 1, fmt, mode)
+        check(f"codes along K ({M}, {K})", same(q, ref.qdata) and same(sc, ref.scale))
         if M % 32 == 0:
             refc = quantize_mx(x, fmt, dim=0, scale_mode=mode, backend="reference")
-            q2, s2, qt, st = kq.quantize_rowcol(x, fmt, mode)
-            check(f"rowcol ({M}, {K})", same(q2, ref.qdata) and same(s2, ref.scale) and same(qt, refc.qdata.t())
-                  and same(st, refc.scale.t()))
-            qc, sc = kq.quantize_colwise(x, fmt, mode)  # column-only codes: their own launch settings
-            check(f"colwise ({M}, {K})", same(qc, refc.qdata.t()) and same(sc, refc.scale.t()))
+            qc, scc = kq.quantize_along_dim(x, 0, fmt, mode)
+            check(f"codes along M ({M}, {K})", same(qc, refc.qdata) and same(scc, refc.scale))
+            # codes blocked along M, read as the transposed (K, M) layout they have
             check(f"dequantize colwise ({M}, {K})",
-                  same_values(kq.dequantize_colwise(qc, sc, torch.bfloat16),
-                              refc.dequantize(torch.bfloat16, backend="reference")))
-            _, sb, _, stb = kq.quantize_rowcol(x, fmt, mode, blocked=True)
-            check(f"blocked scales ({M}, {K})", same(sb, to_blocked_scales(ref.scale))
-                  and same(stb, to_blocked_scales(refc.scale.t().contiguous())))
+                  same_values(kq.dequantize_colwise(qc.t().contiguous(), scc.t().contiguous(), torch.bfloat16),
+                              refc.dequantize(torch.bfloat16)))
+            rows, cols = kq.fake_quantize_rowcol(x, fmt, mode, torch.bfloat16)
+            check(f"fake_quantize_rowcol ({M}, {K})", same_values(rows, ref_fake(x, fmt, mode, -1))
+                  and same_values(cols, ref_fake(x, fmt, mode, -2)))
         for dim in (0, 1):
-            want = fake_quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
-                                    backend="reference")
             got = fake_quantize_mx(x, fmt, dim=dim, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
                                    backend="triton")
-            check(f"fake_quantize dim={dim} ({M}, {K})", same_values(got, want))
+            check(f"fake_quantize dim={dim} ({M}, {K})", same_values(got, ref_fake(x, fmt, mode, dim)))
         check(f"dequantize ({M}, {K})",
-              same_values(kq.dequantize_rowwise(q, s, torch.float32), ref.dequantize(backend="reference")))
+              same_values(kq.dequantize_rowwise(q, sc, torch.float32), ref.dequantize()))
         del x, ref
     assert not failed, f"differ from the reference: {failed}"
 
@@ -158,8 +170,10 @@ def test_weight_and_grouped_kernels(fmt, mode, dtype):
 
     E, N, K = W_SHAPE
     w = torch.stack([hard(N, K, seed=100 + e, dtype=dtype) for e in range(E)])
-    check(f"3-D weights ({E}, {N}, {K})",
-          all(same(a, b) for a, b in zip(kq.quantize_rowcol(w, fmt, mode), rowcol_refs(w, fmt, mode))))
+    for dim in (2, 1):
+        q, sc = kq.quantize_along_dim(w, dim, fmt, mode)
+        ref = quantize_mx(w, fmt, dim=dim, scale_mode=mode, backend="reference")
+        check(f"3-D weights ({E}, {N}, {K}) along dim {dim}", same(q, ref.qdata) and same(sc, ref.scale))
     sizes = GROUP_SIZES
     T, C = sum(sizes) + 11, K
     x = hard(T, C, seed=7, dtype=dtype)
@@ -183,8 +197,5 @@ def test_weight_and_grouped_kernels(fmt, mode, dtype):
     w3 = torch.stack([hard(N // 2 + 20, K, seed=200 + e, dtype=dtype) for e in range(E)])
     rows, cols = kq.fake_quantize_rowcol(w3, fmt, mode, torch.bfloat16)
     check(f"3-D fake_quantize_rowcol {tuple(w3.shape)}",
-          same_values(rows, fake_quantize_mx(w3, fmt, dim=2, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
-                                             backend="reference"))
-          and same_values(cols, fake_quantize_mx(w3, fmt, dim=1, scale_mode=mode, pad=True, out_dtype=torch.bfloat16,
-                                                 backend="reference")))
+          same_values(rows, ref_fake(w3, fmt, mode, 2)) and same_values(cols, ref_fake(w3, fmt, mode, 1)))
     assert not failed, f"differ from the reference: {failed}"

@@ -13,7 +13,7 @@ Each case is checked three ways:
 - structurally: rows past the last offset hold NaN / inf garbage that must never be read
   (outputs and input grads there exactly 0), no NaN anywhere, dW of empty experts exactly 0.
 
-benchmarks/check_grouped_cuda.py runs the same cases at model shapes on the GPU.
+tests/gpu/test_grouped_mm_cuda.py runs the same cases at model shapes on the GPU.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from test_ops import SQNR_FLOOR_DB, Product, expert_products, qdq64, sqnr_db
 
 def _cpu_triton_or_skip() -> None:
     """These cases build CPU tensors: the Triton backend then needs the interpreter (the
-    suite sets it on machines without a GPU). On the GPU, benchmarks/check_grouped_cuda.py
+    suite sets it on machines without a GPU). On the GPU, tests/gpu/test_grouped_mm_cuda.py
     runs the same cases with CUDA tensors."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors on the Triton backend need TRITON_INTERPRET=1 (GPU: check_grouped_cuda.py)")
+        pytest.skip("CPU tensors on the Triton backend need TRITON_INTERPRET=1 (GPU: tests/gpu/test_grouped_mm_cuda.py)")
 
 
 def spread_sizes(E: int, used: list[int], tokens: list[int]) -> list[int]:

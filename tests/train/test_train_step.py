@@ -1,7 +1,7 @@
 """The train step module (mxmoe.train.step) and the sync-free expert counts, on the CPU.
 
-The CUDA-graph path itself needs a GPU: benchmarks/check_cuda_graph.py checks it on the
-H200 (graphed == eager within eager's run-to-run spread; resume; speed).
+The CUDA-graph path itself needs a GPU: tests/gpu/test_train_step_cuda_graph.py checks it
+on the H200 (graphed == eager within eager's run-to-run spread; resume).
 """
 
 import contextlib

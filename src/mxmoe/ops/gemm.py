@@ -280,10 +280,13 @@ def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups
     if _use_grouped_mm(a_NL, b_KL) and (K * a_NL.element_size()) % _ALIGN_BYTES == 0:
         out = _grouped_mm(a_NL, b_KL.t(), offsets_E)
     elif _grouped_mm_device_ok(a_NL):  # pad N, K and L to 16 bytes: no per-expert loop, no host sync
+        # tokens stay the outer dim of both copies: torch._grouped_mm asserts (on the device)
+        # when the groups run along an operand's contiguous dim and their sizes are not
+        # 16-byte aligned, as tokens per expert rarely are
         Lp = _up(L)
-        ap = _pad_to(a_NL, {0: _up(N), 1: Lp})
-        bp = _pad_to(b_KL, {0: _up(K), 1: Lp})
-        out = _grouped_mm(ap, bp.t(), offsets_E)[:, :N, :K]
+        ap = _pad_to(a_NL.t(), {0: Lp, 1: _up(N)}).t()  # (Np, Lp), strides (1, Np)
+        bp = _pad_to(b_KL.t(), {0: Lp, 1: _up(K)})  # (Lp, Kp) row-major
+        out = _grouped_mm(ap, bp, offsets_E)[:, :N, :K]
     else:
         out = a_NL.new_empty(E, N, K)
         for e, (s, t) in enumerate(_group_bounds(offsets_E)):

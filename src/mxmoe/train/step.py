@@ -3,7 +3,7 @@ one process, eager or replayed from a CUDA graph; :class:`ExpertParallelStep` on
 of an expert-parallel group (eager).
 
 Why a graph: at the sizes of ``--preset h200`` the step is bound by the host, not the GPU.
-Measured on the H200 (``benchmarks/profile_step.py``, results/h200_graph/): the kernels of
+Measured on the H200: the kernels of
 one bf16 step take 37.6 ms and those of one MXFP8 step 39.1 ms, but launching them takes
 50 ms and 132 ms of CPU (each MXFP8 quantizer launch costs ~200 us of Python and custom-op
 dispatch). Replaying the step from a CUDA graph (:class:`torch.cuda.CUDAGraph`) removes
@@ -23,7 +23,7 @@ How (the "whole network capture" of the PyTorch CUDA-graph notes):
 
 Same numbers: a replay runs the kernels the eager step launched, with the same arguments,
 so a graphed run computes what an eager run with a capturable AdamW computes, up to the
-run-to-run spread of the step's atomic-using CUDA ops (``benchmarks/check_cuda_graph.py``
+run-to-run spread of the step's atomic-using CUDA ops (``tests/gpu/test_train_step_cuda_graph.py``
 compares them on the GPU). The capturable AdamW keeps its step counts and bias
 corrections on the device, which rounds differently in the last bits from the host-side
 arithmetic of the default AdamW, so a graphed run and a ``--no-cuda-graph`` run are close,
