@@ -52,6 +52,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_RESULTS_DIR = BENCH_DIR / "results"
 TIMING_MODES = ("eager", "graph")
+# MoE layer shapes of real models: name -> (D model width, F expert width, E experts, top-k, T tokens)
+MOE_MODELS = {
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, 16384),
+    "deepseek-v3": (7168, 2048, 256, 8, 16384),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
+}
+QUICK_MOE_MODELS = ("qwen3-235b-a22b",)  # what --quick runs
 NOTES: list[str] = []  # fallbacks that happened during the run (graph capture failed, ...)
 
 

@@ -58,12 +58,8 @@ from mxmoe.nn import MoELayer  # noqa: E402
 from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "moe_layer"
-MODELS = {
-    "qwen3-235b-a22b": (4096, 1536, 128, 8, 16384),
-    "deepseek-v3": (7168, 2048, 256, 8, 16384),
-    "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
-}
-QUICK_MODELS = ("qwen3-235b-a22b",)
+MODELS = harness.MOE_MODELS  # name: (D, F, E, top_k, T)
+QUICK_MODELS = harness.QUICK_MOE_MODELS
 SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
 VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
 STD = 0.02

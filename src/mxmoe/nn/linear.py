@@ -20,11 +20,12 @@ from torch import Tensor, nn
 
 from ..ops import mx_linear
 from ..recipe import Recipe, get_recipe
+from .recipe_module import RecipeModule
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class MXLinear(nn.Linear):
+class MXLinear(RecipeModule, nn.Linear):
     """``nn.Linear`` with its three GEMMs under a precision recipe (default MXFP8).
 
     Args:
@@ -80,25 +81,6 @@ class MXLinear(nn.Linear):
         new.register_parameter("bias", linear.bias)
         new.train(linear.training)
         return new
-
-    @property
-    def recipe(self) -> Recipe:
-        """The :class:`~mxmoe.recipe.Recipe` of the three GEMMs; assigning a recipe or its
-        name calls :meth:`set_recipe`."""
-        return self._recipe
-
-    @recipe.setter
-    def recipe(self, recipe: Recipe | str) -> None:
-        self.set_recipe(recipe)
-
-    def set_recipe(self, recipe: Recipe | str) -> MXLinear:
-        """Run the GEMMs under ``recipe`` from the next forward on; returns self.
-
-        Raises:
-            ValueError: unknown recipe.
-        """
-        self._recipe = get_recipe(recipe)
-        return self
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., K) -> (..., N) in x's dtype: ``mx_linear(x, weight, recipe)``, plus the

@@ -37,6 +37,7 @@ from ..ops.backend import use_native_mx_grouped_mm
 from ..ops.combine import combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..recipe import Recipe, get_recipe
+from .recipe_module import RecipeModule
 
 
 @dataclass
@@ -295,7 +296,7 @@ class MoEAux:
     tokens_per_expert: Tensor
 
 
-class MoE(nn.Module):
+class MoE(RecipeModule, nn.Module):
     """Dropless token-choice top-k MoE feed-forward with SwiGLU experts: router, dispatch,
     experts and weighted combine in one module, for any PyTorch model.
 
@@ -369,29 +370,9 @@ class MoE(nn.Module):
         self.last_tokens_per_expert: Tensor | None = None
         self.last_ran_fused: bool | None = None  # whether the last forward ran the fused op (runs_fused)
 
-    @property
-    def recipe(self) -> Recipe:
-        """The :class:`~mxmoe.recipe.Recipe` of the expert GEMMs; assigning a recipe or its
-        name calls :meth:`set_recipe`."""
-        return self._recipe
-
-    @recipe.setter
-    def recipe(self, recipe: Recipe | str) -> None:
-        self.set_recipe(recipe)
-
-    def set_recipe(self, recipe: Recipe | str) -> MoE:
-        """Run the expert GEMMs under ``recipe`` from the next forward on; returns self.
-
-        Parameters and state_dict are unchanged; ``fused`` follows the new recipe.
-
-        Raises:
-            ValueError: unknown recipe; a recipe that does not quantize while
-                ``mx_dispatch`` is on.
-        """
-        recipe = get_recipe(recipe)
+    def _check_recipe(self, recipe: Recipe) -> None:
+        """A recipe that does not quantize is refused while ``mx_dispatch`` is on."""
         _check_mx_dispatch(self.mx_dispatch, recipe)
-        self._recipe = recipe
-        return self
 
     @property
     def fused(self) -> bool:
@@ -441,7 +422,7 @@ MoELayer = MoE
 :mod:`mxmoe.distributed` use."""
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(RecipeModule, nn.Module):
     """E SwiGLU experts alone, for a model that keeps its own router: takes each token's
     top-k expert indices and combine weights, returns the weighted sum of its experts'
     outputs.
@@ -486,25 +467,6 @@ class GroupedExperts(nn.Module):
         init_expert_weights_(self.w13, self.w2, n_layers)
         self.last_tokens_per_expert: Tensor | None = None
         self.last_ran_fused: bool | None = None
-
-    @property
-    def recipe(self) -> Recipe:
-        """The :class:`~mxmoe.recipe.Recipe` of the expert GEMMs; assigning a recipe or its
-        name calls :meth:`set_recipe`."""
-        return self._recipe
-
-    @recipe.setter
-    def recipe(self, recipe: Recipe | str) -> None:
-        self.set_recipe(recipe)
-
-    def set_recipe(self, recipe: Recipe | str) -> GroupedExperts:
-        """Run the expert GEMMs under ``recipe`` from the next forward on; returns self.
-
-        Raises:
-            ValueError: unknown recipe.
-        """
-        self._recipe = get_recipe(recipe)
-        return self
 
     @property
     def fused(self) -> bool:

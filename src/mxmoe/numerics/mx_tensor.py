@@ -146,15 +146,8 @@ def torch_quantize_mx(
     Rules: docs/NUMERICS.md (OCP MX v1.0; ``rceil`` is NVIDIA's MXFP8 training recipe).
 
     Args:
-        x: float32, bfloat16 or float16; any rank >= 1, any strides (non-contiguous views,
-            such as transposes, give the same result as their contiguous copy).
-        fmt: "e4m3" (default), "e5m2", "e3m2", "e2m3", "e2m1" or "int8".
-        block_size: values per block, 32 in the OCP spec; even for "e2m1" (packing).
-        dim: the blocked dimension.
-        scale_mode: "rceil" (default) or "floor".
-        pad: zero-pad ``dim`` up to a multiple of ``block_size`` (remembered in
-            ``orig_size``; dequantization returns the original shape). Zeros never change
-            a block's amax, so the scales equal those of the unpadded blocks.
+        x, fmt, block_size, dim, scale_mode, pad: as :func:`mxmoe.quantize_mx` (x: float32,
+            bfloat16 or float16, any rank >= 1, any strides).
 
     Returns:
         :class:`MXTensor` with contiguous ``qdata`` and ``scale``. Not differentiable: they
