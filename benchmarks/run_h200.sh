@@ -18,7 +18,7 @@
 #   TOTAL_S    time budget of the whole run in seconds (default 580); each step gets what is left, capped:
 #   TESTS_S    cap of the test suite (default 420); BENCH_S: cap of each benchmark (default 90)
 #   MXMOE_CACHE_DIR  the CUTLASS quantized-weight GEMM builds (tests/gpu skips that GEMM's checks without them)
-# SonicMoE: if .hopper/activate exists (made by ../shared/tools/hopper-bundle and carried to the machine) it is
+# SonicMoE: if .hopper/activate exists (made by the project's bundle tool and carried to the machine) it is
 # sourced first; --quick leaves SonicMoE out (QuACK compiles its GEMMs for 1-3 minutes on first use), --full
 # times it. In its own call: source .hopper/activate && PYTHONPATH=src:$PYTHONPATH python3 benchmarks/moe_layer.py
 #   --models qwen3-235b-a22b --variants "SonicMoE bf16,HF grouped_mm bf16" --sonic-configs one   (82 s on the H200)
