@@ -15,6 +15,7 @@ when a module is imported).
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,67 @@ def resolve(current: str, is_package: bool, node: ast.ImportFrom | ast.Import, k
     return out
 
 
+def _dynamic_import_names(current: str, is_package: bool, call: ast.Call) -> list[str]:
+    """``importlib.import_module("mxmoe.x")`` / ``import_module("..x", __package__)`` /
+    ``__import__("mxmoe.x")``: the module names given as string constants."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name not in ("import_module", "__import__") or not call.args:
+        return []
+    first = call.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return ["<dynamic>"]  # a computed module name: refused outright (see the test)
+    target = first.value
+    if target.startswith("."):
+        level = len(target) - len(target.lstrip("."))
+        base = current.split(".") if is_package else current.split(".")[:-1]
+        base = base[: len(base) - (level - 1)]
+        rest = target.lstrip(".")
+        target = ".".join(base + ([rest] if rest else []))
+    return [target]
+
+
+def registered_ops(known: dict[str, Path]) -> dict[str, str]:
+    """``mxmoe::NAME`` -> the module that registers it (``torch.library.custom_op``)."""
+    out = {}
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mxmoe::"):
+                out.setdefault(node.value.split("::", 1)[1], name)
+    return out
+
+
+def _module_level(body: list[ast.stmt]):
+    """Statements that run when the module is imported: the body, and the bodies of
+    if / with / try / for / while at module level (not functions or classes; ``if
+    TYPE_CHECKING:`` blocks excluded)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            test = node.test
+            if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or (
+                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+                yield from _module_level(node.orelse)
+                continue
+            yield from _module_level(node.body)
+            yield from _module_level(node.orelse)
+        elif isinstance(node, (ast.With, ast.For, ast.While)):
+            yield from _module_level(node.body)
+            yield from _module_level(getattr(node, "orelse", []))
+        elif isinstance(node, ast.Try):
+            yield from _module_level(node.body)
+            for handler in node.handlers:
+                yield from _module_level(handler.body)
+            yield from _module_level(node.orelse)
+            yield from _module_level(node.finalbody)
+
+
 def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(every import, module-level imports) of each module, as sets of mxmoe module names."""
+    """(every dependency, module-level imports) of each module, as sets of mxmoe module
+    names. Every dependency: import statements at any depth, ``importlib.import_module`` /
+    ``__import__`` with a constant name, and ``torch.ops.mxmoe.NAME`` (the module that
+    registers the op)."""
+    ops = registered_ops(known)
     every: dict[str, set[str]] = {}
     top: dict[str, set[str]] = {}
     for name, path in known.items():
@@ -78,16 +138,55 @@ def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 every[name].update(resolve(name, is_package, node, known))
-        for node in tree.body:  # module level: runs at import (TYPE_CHECKING blocks excluded)
+            elif isinstance(node, ast.Call):
+                for target in _dynamic_import_names(name, is_package, node):
+                    if target == "<dynamic>" or target.startswith(PACKAGE):
+                        every[name].add(target if target == "<dynamic>" else _deepest(target, known))
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                  and node.value.attr == PACKAGE and isinstance(node.value.value, ast.Attribute)
+                  and node.value.value.attr == "ops" and node.attr in ops):
+                every[name].add(ops[node.attr])  # torch.ops.mxmoe.NAME
+        for node in _module_level(tree.body):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 top[name].update(resolve(name, is_package, node, known))
-            elif isinstance(node, ast.Try):
-                for sub in node.body:
-                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                        top[name].update(resolve(name, is_package, sub, known))
         every[name].discard(name)
         top[name].discard(name)
     return every, top
+
+
+def _deepest(name: str, known: dict) -> str:
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def upward_imports(module: str, every: dict[str, set[str]]) -> list[str]:
+    """The dependencies of ``module`` on higher layers (and on computed module names)."""
+    mine = layer_of(module)
+    return sorted(t for t in every[module] if t == "<dynamic>" or layer_of(t) > mine)
+
+
+def find_cycles(top: dict[str, set[str]]) -> list[list[str]]:
+    """Depth-first search over module-level imports; each back edge is a cycle."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(top.get(m, ())):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(top):
+        if m not in state:
+            visit(m)
+    return cycles
 
 
 KNOWN = modules()
@@ -96,53 +195,41 @@ EVERY, TOP_LEVEL = imports(KNOWN)
 
 @pytest.mark.parametrize("module", sorted(KNOWN))
 def test_imports_only_its_own_and_lower_layers(module):
+    upward = upward_imports(module, EVERY)
     mine = layer_of(module)
-    upward = sorted(t for t in EVERY[module] if layer_of(t) > mine)
-    assert not upward, (f"{module} (layer {LAYERS[mine] if mine < TOP else 'top'}) imports from higher layers: "
-                        f"{upward}; move the shared code down or the caller up")
+    assert not upward, (f"{module} (layer {LAYERS[mine] if mine < TOP else 'top'}) depends on higher layers "
+                        f"(or on a computed module name): {upward}; move the shared code down or the caller up")
 
 
 def test_no_import_cycles():
-    """Depth-first search over module-level imports; a back edge is a cycle."""
-    state: dict[str, int] = {}  # 1: on the stack, 2: done
-    stack: list[str] = []
-    cycles: list[list[str]] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in sorted(TOP_LEVEL.get(m, ())):
-            if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
-            elif t not in state:
-                visit(t)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(KNOWN):
-        if m not in state:
-            visit(m)
+    cycles = find_cycles(TOP_LEVEL)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_checker_sees_violations(tmp_path):
-    """The rules above catch an upward import and a cycle in a planted tree (so the real
-    tree passing means something)."""
-    global SRC
-    saved = SRC
-    try:
-        SRC = tmp_path
-        pkg = tmp_path / PACKAGE
-        for sub in ("numerics", "ops"):
-            (pkg / sub).mkdir(parents=True)
-            (pkg / sub / "__init__.py").write_text("")
-        (pkg / "__init__.py").write_text("")
-        (pkg / "numerics" / "a.py").write_text("def f():\n    from ..ops import b\n")
-        (pkg / "ops" / "b.py").write_text("from . import c\n")
-        (pkg / "ops" / "c.py").write_text("from .b import x\n")
-        known = modules()
-        every, top = imports(known)
-        assert "mxmoe.ops" in every["mxmoe.numerics.a"] or "mxmoe.ops.b" in every["mxmoe.numerics.a"]
-        assert top["mxmoe.ops.b"] == {"mxmoe.ops.c"} and top["mxmoe.ops.c"] == {"mxmoe.ops.b"}
-    finally:
-        SRC = saved
+PLANTED = {
+    # an upward import inside a function, through importlib, through __import__, a custom op
+    "numerics/a.py": "def f():\n    from ..ops import b\n",
+    "numerics/d.py": "import importlib\ndef f():\n    return importlib.import_module('..ops.b', __package__)\n",
+    "numerics/e.py": "def f():\n    return __import__('mxmoe.ops.c')\n",
+    "numerics/f.py": "import torch\ndef f(x):\n    return torch.ops.mxmoe.planted_op(x)\n",
+    "ops/b.py": "if True:\n    from . import c\n",  # a cycle through an if block
+    "ops/c.py": "from .b import x\nimport torch\n@torch.library.custom_op('mxmoe::planted_op', mutates_args=())\n"
+                "def planted_op(x):\n    return x\n",
+}
+
+
+def test_the_checker_sees_violations(tmp_path, monkeypatch):
+    """Both rules fail on a planted tree (so the real tree passing means something)."""
+    pkg = tmp_path / PACKAGE
+    for sub in ("numerics", "ops"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    for rel, text in PLANTED.items():
+        (pkg / rel).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    known = modules()
+    every, top = imports(known)
+    for planted in ("a", "d", "e", "f"):
+        assert upward_imports(f"mxmoe.numerics.{planted}", every), planted
+    assert any(set(c) == {"mxmoe.ops.b", "mxmoe.ops.c"} for c in find_cycles(top))

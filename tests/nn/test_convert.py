@@ -148,3 +148,29 @@ def test_exported_from_the_package():
     assert mxmoe.convert_to_mxfp8 is mxmoe.nn.convert_to_mxfp8 is convert_to_mxfp8
     for name in ("MXLinear", "MoE", "GroupedExperts", "convert_to_mxfp8"):
         assert name in mxmoe.__all__ and name in mxmoe.nn.__all__
+
+
+def test_a_refused_recipe_changes_nothing():
+    """Every check runs before the first change: a module that refuses the recipe (an MoE
+    with MXFP8 dispatch asked to run bf16) leaves the whole model as it was."""
+    import mxmoe
+
+    model = nn.ModuleDict({"a": nn.Linear(64, 64), "moe": mxmoe.MoE(64, 4, 2, 64, mx_dispatch=True),
+                           "z": nn.Linear(64, 64)})
+    before = {k: (type(v), getattr(v, "recipe", None)) for k, v in model.items()}
+    with pytest.raises(ValueError, match="mx_dispatch"):
+        mxmoe.convert_to_mxfp8(model, "bf16")
+    assert {k: (type(v), getattr(v, "recipe", None)) for k, v in model.items()} == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_linears_of_dtypes_the_ops_do_not_take_are_kept_and_logged(dtype, caplog):
+    import logging
+
+    import mxmoe
+
+    model = nn.Sequential(nn.Linear(64, 64).to(dtype), nn.Linear(64, 64))
+    with caplog.at_level(logging.INFO, logger="mxmoe"):
+        mxmoe.convert_to_mxfp8(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], mxmoe.MXLinear)
+    assert f"0 (weight dtype {dtype}" in caplog.text

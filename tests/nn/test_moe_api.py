@@ -75,7 +75,7 @@ def test_clear_errors():
         MoE(64, 4, 2, 64, recipe="fp8")
     with pytest.raises(ValueError, match="n_layers must be an integer >= 1, got 0"):
         MoE(64, 4, 2, 64, n_layers=0)
-    with pytest.raises(ValueError, match="top_k must be in"):
+    with pytest.raises(ValueError, match="top_k must be an integer in"):
         MoE(64, 4, 5, 64)
     with pytest.raises(ValueError, match="mx_dispatch needs a quantizing"):
         MoE(64, 4, 2, 64, recipe="bf16", mx_dispatch=True)

@@ -34,7 +34,7 @@ def test_router_topk_renormalized_and_ties_to_lower_index():
     assert torch.equal(r.experts_Tk, torch.tensor([[0, 1, 2]] * 5))
     torch.testing.assert_close(r.weights_Tk.sum(-1), torch.ones(5))
     assert r.weights_Tk.dtype == torch.float32 and r.logits_TE.dtype == torch.float32
-    with pytest.raises(ValueError, match="top_k must be in"):
+    with pytest.raises(ValueError, match="top_k must be an integer in"):
         TopKRouter(8, 4, 5)
 
 

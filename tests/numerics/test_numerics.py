@@ -1,5 +1,5 @@
 """MX numerics reference: bit-exact against docs/NUMERICS.md, its worked cases and an
-independent oracle (tests/mx_oracle.py)."""
+independent oracle (tests/numerics/mx_oracle.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _same_values(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     (Path(__file__).resolve().parents[2] / "docs" / "NUMERICS.md", SHARED_CASES_PATH.parents[1] / "docs" / "NUMERICS.md"),
 ])
 def test_in_repo_copies_match_the_shared_contract(copy, shared):
-    """tests/data/mx_blocks.json and docs/NUMERICS.md are copies of the project's shared
+    """tests/numerics/data/mx_blocks.json and docs/NUMERICS.md are copies of the project's shared
     contract (../shared beside a developer checkout; CI checks out the repository alone)."""
     if not shared.exists():
         pytest.skip(f"{shared} is not beside this checkout")

@@ -350,3 +350,26 @@ def test_wgrad_never_reads_past_the_last_offset(L, ends, dtype):
         assert torch.isfinite(out[e]).all()
         assert torch.allclose(out[e], want, rtol=tol, atol=tol * (want.abs().max().item() + 1)), e
         start = end
+
+
+@pytest.mark.parametrize("L, ends", [(40, [21, 40]), (40, [16, 33]), (24, [8, 24]), (129, [64, 128])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wgrad_never_reads_past_a_narrow_operand(L, ends, dtype):
+    """Operands with tokens as the contiguous dim, views of wider buffers filled with NaN:
+    the wgrad GEMM reads only the view (torch 2.13's CPU torch._grouped_mm read past it)."""
+    from mxmoe.ops.gemm import grouped_mm_tn
+
+    gen = torch.Generator().manual_seed(L + len(ends))
+    wide_a = torch.full((40, L + 8), float("nan"), dtype=dtype)
+    wide_b = torch.full((64, L + 8), float("inf"), dtype=dtype)
+    wide_a[:, :L] = torch.randn(40, L, generator=gen).to(dtype)
+    wide_b[:, :L] = torch.randn(64, L, generator=gen).to(dtype)
+    a, b = wide_a[:, :L], wide_b[:, :L]
+    out = grouped_mm_tn(a, b, torch.tensor(ends, dtype=torch.int32)).double()
+    start = 0
+    for e, end in enumerate(ends):
+        want = a[:, start:end].double() @ b[:, start:end].double().t()
+        tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+        assert torch.isfinite(out[e]).all(), e
+        assert torch.allclose(out[e], want, rtol=tol, atol=tol * (want.abs().max().item() + 1)), e
+        start = end

@@ -21,7 +21,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #   bf16 50.8 / 50.8 / 50.8; mxfp8 28.5 / 28.5 / 28.5; mxfp8-floor 27.7 / 27.6 / 27.5;
 #   mxfp8-bf16-wgrad 28.5 / 28.5 / 133.9 (dw in float32 on unquantized operands).
 # Each floor sits 2 dB under its measurement (out / dx / dw). The edge cases of
-# tests/test_grouped_edges.py (Gaussian x and dy, w / 8; jagged and empty experts, 33-256
+# tests/ops/test_grouped_edges.py (Gaussian x and dy, w / 8; jagged and empty experts, 33-256
 # experts, N = 33, K = 1408 / 2880; only cases with >= 64 tokens) measure within
 # bf16 50.6-51.1 and mxfp8 28.3-28.9 dB on every tensor, and are held to these floors.
 SQNR_FLOOR_DB = {
@@ -375,7 +375,7 @@ def test_linear_with_one_gradient(need, recipe):
 def test_linear_without_grad_mode_quantizes_only_the_forward_copies(monkeypatch, mode):
     """Under no_grad (the trainer's evaluation) a weight that requires grad makes
     ctx.needs_input_grad ask for dw, yet no graph is kept: the op must not quantize the
-    backward's copies (at 69d7e3d every linear quantized x along tokens too, then dropped it).
+    backward's copies (an earlier version quantized x along tokens too, then dropped it).
     The values are those of the forward with grad mode on."""
     import mxmoe.ops.linear as linear_mod
 

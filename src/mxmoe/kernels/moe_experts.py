@@ -227,7 +227,7 @@ def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fm
         (the arithmetic of ``(y_AD.view(T, k, D) * w.unsqueeze(-1)).sum(1)``; bit-equal to
         it for k <= 2, where the order of a float32 sum cannot matter);
         codes (A, D) and E8M0 scales (A, D / 32) of y in (token, choice) order, blocks
-        along D, bit-equal to :func:`~mxmoe.numerics.mx_tensor.quantize_mx`.
+        along D, bit-equal to :func:`~mxmoe.numerics.mx_tensor.torch_quantize_mx`.
 
     Raises:
         ValueError / TypeError: shapes, dtypes or a D that is not a multiple of 32;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from ..recipe import Recipe, get_recipe
@@ -26,6 +27,16 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 ``fqn`` is the module's name in ``model.named_modules()`` ("" for the model itself)."""
 
 _MXMOE_MODULES = (MXLinear, MoE, GroupedExperts)
+
+
+_MX_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_reason(linear: nn.Linear) -> str | None:
+    """Why ``linear`` cannot run the MX ops because of its weight dtype (None if it can)."""
+    if linear.weight.dtype not in _MX_WEIGHT_DTYPES:
+        return f"weight dtype {linear.weight.dtype}: the MX ops take float32, bfloat16 or float16"
+    return None
 
 
 def _shape_reason(linear: nn.Linear, block: int) -> str | None:
@@ -79,8 +90,9 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
         itself in its parent).
 
     Raises:
-        ValueError: unknown recipe. TypeError: ``model`` not an nn.Module,
-            ``module_filter_fn`` not callable.
+        ValueError: unknown recipe, or a recipe a module refuses (an ``MoE`` with
+            ``mx_dispatch`` and a recipe that does not quantize); raised before anything is
+            changed. TypeError: ``model`` not an nn.Module, ``module_filter_fn`` not callable.
     """
     recipe = get_recipe(recipe)
     if not isinstance(model, nn.Module):
@@ -88,17 +100,19 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
     if module_filter_fn is not None and not callable(module_filter_fn):
         raise TypeError(f"module_filter_fn must be callable as (module, fqn) -> bool, got {module_filter_fn!r}")
     kept: list[str] = []
-    counts = {"linear": 0, "mxmoe": 0}
+    to_set: list[nn.Module] = []  # mxmoe modules that take the recipe
 
-    def convert_one(module: nn.Module, fqn: str) -> nn.Module:
+    # Plan first, change nothing: every check that can raise runs before the model is touched.
+    def plan_one(module: nn.Module, fqn: str) -> nn.Module:
+        """The module that replaces ``module`` (itself if none); queues recipe changes."""
         if not isinstance(module, (nn.Linear, *_MXMOE_MODULES)):
             return module
         label = fqn or f"<model: {type(module).__name__}>"
         allowed = module_filter_fn is None or bool(module_filter_fn(module, fqn))
         if isinstance(module, _MXMOE_MODULES):
             if allowed:
-                module.set_recipe(recipe)
-                counts["mxmoe"] += 1
+                module._check_recipe(recipe)
+                to_set.append(module)
             elif not module.recipe.quantize:
                 kept.append(f"{label} (excluded by module_filter_fn, recipe {module.recipe.name})")
             return module
@@ -108,14 +122,14 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
         if not allowed:
             kept.append(f"{label} (excluded by module_filter_fn)")
             return module
-        reason = _shape_reason(module, recipe.block_size)
+        reason = _shape_reason(module, recipe.block_size) or _dtype_reason(module)
         if reason is not None:
             kept.append(f"{label} ({reason})")
             return module
-        counts["linear"] += 1
-        return MXLinear.from_float(module, recipe)
+        return MXLinear.from_float(module, recipe)  # shares the Parameters; the model is unchanged
 
-    result = convert_one(model, "")
+    result = plan_one(model, "")
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
     if result is model:
         done: dict[int, nn.Module] = {}  # a module reachable under two names is converted once
         for parent_name, parent in list(model.named_modules()):
@@ -124,9 +138,15 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
                 if child is None:
                     continue
                 if id(child) not in done:
-                    done[id(child)] = convert_one(child, f"{parent_name}.{child_name}" if parent_name else child_name)
+                    done[id(child)] = plan_one(child, f"{parent_name}.{child_name}" if parent_name else child_name)
                 if done[id(child)] is not child:
-                    setattr(parent, child_name, done[id(child)])
+                    swaps.append((parent, child_name, done[id(child)]))
+    # Apply.
+    for module in to_set:
+        module.set_recipe(recipe)
+    for parent, child_name, new in swaps:
+        setattr(parent, child_name, new)
+    counts = {"linear": len({id(new) for _, _, new in swaps}) + (result is not model), "mxmoe": len(to_set)}
     listed = f": {', '.join(kept)}" if kept else ""
     logger.info("convert_to_mxfp8: kept %d modules in high precision%s; converted %d nn.Linear to MXLinear, "
                 "set recipe %s on %d mxmoe modules", len(kept), listed, counts["linear"], recipe.name,

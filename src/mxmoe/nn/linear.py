@@ -7,8 +7,9 @@ The module holds the parameters of ``nn.Linear`` (``weight`` (out_features, in_f
 
 where :func:`~mxmoe.ops.mx_linear` quantizes each operand of the forward, dgrad and wgrad
 GEMMs along its own contraction dimension (MXFP8: E4M3 elements, one E8M0 scale per block
-of 32). The bias is not quantized: it is added in float32 or wider (x's dtype and the
-bias's dtype promoted) and the sum rounded once to x's dtype. Following torchao's
+of 32). The bias is not quantized: it is added to the GEMM's result (already rounded to
+x's dtype, as ``mx_linear`` returns it) in the promoted dtype of x and the bias, and the
+sum is rounded to x's dtype, as ``F.linear`` on bf16 tensors adds a bf16 bias. Following torchao's
 ``Float8Linear`` and Liger-Kernel's modules, the module is a thin wrapper: all numerics are
 in the functional op.
 """
@@ -84,7 +85,7 @@ class MXLinear(RecipeModule, nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., K) -> (..., N) in x's dtype: ``mx_linear(x, weight, recipe)``, plus the
-        bias added in the promoted dtype of x and bias and rounded once to x's dtype.
+        bias added to that result in the promoted dtype of x and bias, then rounded to x's dtype.
 
         Raises:
             TypeError: x is not a float32/bfloat16/float16 tensor.

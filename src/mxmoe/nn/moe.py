@@ -83,8 +83,8 @@ class TopKRouter(nn.Module):
 
     def __init__(self, d_model: int, n_experts: int, top_k: int):
         super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be an integer in [1, n_experts={n_experts}], got {top_k!r}")
         self.n_experts, self.top_k = n_experts, top_k
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
         nn.init.normal_(self.weight, std=0.02)

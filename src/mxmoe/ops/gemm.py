@@ -221,16 +221,17 @@ _CPU_TILE_COLS = 16  # columns torch's CPU grouped GEMM may load at once past a 
 
 
 def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor, int]:
-    """The wgrad operands for torch's CPU ``torch._grouped_mm`` when columns lie past
-    offsets[-1]: contiguous copies whose columns from offsets[-1] up to a multiple of 16
-    are zeros where a column past offsets[-1] holds NaN or inf (the operands unchanged
-    otherwise: finite values there contribute exact zeros).
+    """The wgrad operands for torch's CPU ``torch._grouped_mm``: contiguous copies whose
+    columns from offsets[-1] up to a multiple of 16 are zeros, where the kernel could read
+    something that is not an exact zero's partner (below); the operands unchanged otherwise.
 
     torch 2.13's CPU kernel (AVX-512) loads the last group's columns in tiles past
     offsets[-1], and multiplies the extra ones by zero: NaN or inf there (rows a caller
-    left past the last offset) turned whole weight gradients into NaN, and a view ending
-    inside a tile was read past its end. On the CPU reading the last offset costs no
-    device sync; under torch.compile the columns are masked instead."""
+    left past the last offset) turned whole weight gradients into NaN, and an operand
+    with tokens as its contiguous dim was read past its end (a view of a wider buffer:
+    whatever lies there). So a copy is made unless both operands have tokens as the outer
+    dim and nothing non-finite lies past offsets[-1]. On the CPU reading the last offset
+    costs no device sync; under torch.compile the columns are masked instead."""
     L = a_NL.shape[1]
     if torch.compiler.is_compiling():
         keep = torch.arange(L, device=a_NL.device) < offsets_E[-1].to(torch.int64)
@@ -239,9 +240,12 @@ def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[
         b_KL = torch.where(keep, b_KL, torch.zeros((), dtype=b_KL.dtype))
     else:
         end = min(L, int(offsets_E[-1]))
-        if end == L or (torch.isfinite(a_NL[:, end:]).all() and torch.isfinite(b_KL[:, end:]).all()):
-            # nothing past the last offset, or only finite values, which the kernel
-            # multiplies by zero: the operands as they are
+        tokens_outer = a_NL.stride(1) != 1 and b_KL.stride(1) != 1
+        if tokens_outer and (end == L or (torch.isfinite(a_NL[:, end:]).all()
+                                          and torch.isfinite(b_KL[:, end:]).all())):
+            # tokens as the outer dim (the library's callers): the kernel's extra loads stay
+            # inside the operand, and what lies past the last offset is finite (multiplied
+            # by zero) or absent; the operands as they are
             return a_NL, b_KL, L
     Lp = -(-end // _CPU_TILE_COLS) * _CPU_TILE_COLS
     out = []

@@ -147,7 +147,9 @@ def fake_quantize_mx(
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
-    if use_triton(x.device, x.dtype, fmt, block_size, backend) and out_dtype in TRITON_DTYPES:
+    # the kernel reads x and writes out_dtype: both must be covered (rule 1 for each)
+    if use_triton(x.device, x.dtype, fmt, block_size, backend) and use_triton(x.device, out_dtype, fmt, block_size,
+                                                                              backend):
         from ..kernels.quantize import fake_quantize_along_dim
 
         return fake_quantize_along_dim(x, dim, fmt.value, scale_mode.value, out_dtype)

@@ -2,7 +2,7 @@
 
 **Untested on hardware.** This project has no Blackwell GPU. Everything here is checked on
 the CPU only, against an emulator of the PyTorch op that enforces the argument rules below
-(``tests/test_sm100.py``). Treat the first run on a B200/B300 as the first real test
+(``tests/ops/test_sm100.py``). Treat the first run on a B200/B300 as the first real test
 (``tests/gpu`` compares it against float64 products).
 
 What PyTorch runs: ``torch._scaled_grouped_mm`` (or, where it exists,

@@ -1,14 +1,19 @@
-"""Atomic checkpoints and append-only metrics files.
+"""Atomic checkpoints, their one loader, and append-only metrics files.
 
 A checkpoint is written to a temporary file in the same directory, flushed to disk, then
 renamed over ``checkpoint.pt`` (``os.replace`` is atomic on POSIX and Windows): a crash at
 any point leaves either the previous checkpoint or the new one, never a torn file.
+
+:func:`load_checkpoint` reads one with ``torch.load(weights_only=True)``: a file that would
+need the full pickle (one that could run code when loaded) is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -66,17 +71,84 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def load_checkpoint(out_dir: Path, map_location="cpu") -> dict[str, Any]:
-    """Load ``out_dir/checkpoint.pt``.
+# what torch's weights_only unpickler says when a file asks for a global it does not allow
+# (a class, or a function that a ``__reduce__`` payload would call): "Unsupported global:
+# GLOBAL io.open was not an allowed global", "unsupported GLOBAL os.system whose module os
+# is blocked", "Trying to call reduce for unrecognized function"
+_REFUSED_GLOBAL = re.compile(r"GLOBAL|allowed global|unrecognized function|Unsupported class", re.IGNORECASE)
+
+
+def _weights_only_error(path: Path, message: str) -> ValueError:
+    """A one-line ValueError for a file that ``torch.load(weights_only=True)`` stopped at:
+    the refusal when it asks for a Python global (naming the first when torch says which),
+    else (a byte the unpickler does not accept: not a torch checkpoint) "not readable"."""
+    detail = " ".join(message.split("WeightsUnpickler error:", 1)[-1].split())
+    if not _REFUSED_GLOBAL.search(message):
+        return ValueError(f"{str(path)!r} is not a readable torch checkpoint (the weights_only unpickler stops: "
+                          f"{detail[:200]})")
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    first = f" (the first: {found.group(1)})" if found else ""
+    return ValueError(f"refusing to load {str(path)!r}: it contains Python objects other than tensors and plain "
+                      f"data (weights_only){first}; mxmoe checkpoints hold only tensors, dicts, lists, tuples, "
+                      f"strings, numbers, booleans and None, so this file was not written by mxmoe or was altered, "
+                      f"and unpickling it could run code")
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first sentence of the message`` on one line, at most 200 characters."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: " + text.split(". ", 1)[0][:200]
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False) -> dict[str, Any]:
+    """Load an mxmoe checkpoint without running any code from it: the one loader of
+    ``mxmoe train --resume``, ``mxmoe eval``, ``mxmoe export`` and ``mxmoe compare``.
+
+    The file is read with ``torch.load(weights_only=True)`` (PyTorch's restricted
+    unpickler, see the ``torch.load`` documentation): it builds tensors, dicts (also
+    ``collections.OrderedDict``), lists, tuples, sets, str, bytes, int, float, bool,
+    None and a few torch types (dtypes, ``torch.Size``), and stops at the first other
+    global (a class, or a function such as ``open`` or ``os.system`` that a
+    ``__reduce__`` payload calls) before calling it. The trainer's checkpoints hold only
+    those (the train config as :meth:`TrainConfig.to_dict`, the model and optimizer
+    state dicts of tensors and numbers), so no global is allow-listed, and checkpoints
+    written by earlier versions, the same structure, load as they are.
+
+    Args:
+        path: a run directory (its ``checkpoint.pt`` is read) or a checkpoint file (a
+            path that does not exist is taken as a directory unless it ends in ``.pt``).
+        map_location: where tensors go, as for :func:`torch.load` (default CPU, so that a
+            checkpoint written on a GPU loads on any machine).
+        mmap: memory-map the file instead of reading it (tensor storages are read when
+            used; for reading the step of a large checkpoint).
+
+    Returns:
+        The saved dict: ``step`` (int) and, as :func:`save_checkpoint` is called by the
+        trainer, ``model``, ``optimizer``, ``train_config`` and ``expert_parallel``.
 
     Raises:
-        FileNotFoundError: there is no checkpoint in ``out_dir``.
+        FileNotFoundError: there is no checkpoint at ``path``.
+        ValueError: the file holds other Python objects (refused, nothing of it is run);
+            it is not a torch checkpoint (truncated, another format); it is not a dict
+            with a ``step``.
     """
-    path = Path(out_dir) / CHECKPOINT_NAME
+    path = Path(path)
+    if path.is_dir() or not path.exists() and path.suffix != ".pt":  # a run directory, existing or not
+        path = path / CHECKPOINT_NAME
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}; run without --resume to start a new run (with "
                                 f"--overwrite if the directory holds a run stopped before its first checkpoint)")
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        ckpt = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch.load raises it for whatever the weights_only unpickler refuses
+        raise _weights_only_error(path, str(e)) from None
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a file that is not a checkpoint
+        raise ValueError(f"{str(path)!r} is not a readable torch checkpoint ({_one_line(e)})") from None
+    if not isinstance(ckpt, dict) or "step" not in ckpt:
+        raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (a {type(ckpt).__name__} without a 'step')")
+    return ckpt
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -48,7 +48,7 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint
 from .data import eval_batches, load_corpus
 from .trainer import TrainConfig, evaluate, resolve_device
 
@@ -123,15 +123,16 @@ def is_safetensors(path: Path) -> bool:
 def load_training_checkpoint(path: str | Path) -> Source:
     """A checkpoint.pt (or a run directory holding one) as a :class:`Source`.
 
+    Read with :func:`~mxmoe.train.checkpoint.load_checkpoint` (``weights_only``: nothing
+    in the file is run).
+
     Raises:
-        FileNotFoundError: no such file. ValueError: not an mxmoe checkpoint.
+        FileNotFoundError: no such file. ValueError: a file holding Python objects other
+        than tensors and plain data (refused); not an mxmoe checkpoint.
     """
     path = _resolve_checkpoint_path(path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises several types for a file that is not a checkpoint
-        raise ValueError(f"{str(path)!r} is not a readable torch checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(ckpt, dict) or not {"model", "train_config", "step"} <= set(ckpt):
+    ckpt = load_checkpoint(path)
+    if not {"model", "train_config", "step"} <= set(ckpt):
         raise ValueError(f"{str(path)!r} is not an mxmoe training checkpoint (no model/train_config/step)")
     state = {k: v.float() for k, v in ckpt["model"].items()}
     return Source("checkpoint", TrainConfig.from_dict(ckpt["train_config"]), state, int(ckpt["step"]), path)

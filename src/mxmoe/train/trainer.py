@@ -332,7 +332,10 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
         ValueError: ``out_dir`` is a file, or holds a run and neither ``resume`` nor
             ``cfg.overwrite``; the corpus has ids past ``vocab_size``; a split
             shorter than seq_len + 1 tokens; a checkpoint written with another
-            ``expert_parallel``, with other settings, or already at ``cfg.steps``.
+            ``expert_parallel``, with other settings, or already at ``cfg.steps``; a
+            checkpoint file that :func:`~mxmoe.train.checkpoint.load_checkpoint` refuses
+            (Python objects other than tensors and plain data: nothing of it is run) or
+            cannot read.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
     """
     out = Path(cfg.out_dir)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CHECKPOINT_NAME, write_json
+from .checkpoint import CHECKPOINT_NAME, load_checkpoint, write_json
 from .compare import RESULT_NAME
 from .data import load_corpus
 from .trainer import TrainConfig, resolve_device, train
@@ -54,11 +54,17 @@ def git_describe() -> str | None:
 
 
 def checkpoint_step(out_dir: Path) -> int | None:
-    """Step of ``out_dir/checkpoint.pt`` (read through a memory map), None if there is none."""
+    """Step of ``out_dir/checkpoint.pt`` (read through a memory map), None if there is none.
+
+    Raises:
+        ValueError: the file holds Python objects other than tensors and plain data
+            (refused by :func:`~mxmoe.train.checkpoint.load_checkpoint`, nothing of it is
+            run), or is not an mxmoe checkpoint.
+    """
     path = Path(out_dir) / CHECKPOINT_NAME
     if not path.exists():
         return None
-    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False)["step"])
+    return int(load_checkpoint(path, mmap=True)["step"])
 
 
 def main(argv: list[str] | None = None) -> int:
