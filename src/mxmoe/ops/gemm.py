@@ -228,9 +228,12 @@ def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[
     torch 2.13's CPU kernel (AVX-512) loads the last group's columns in tiles past
     offsets[-1], and multiplies the extra ones by zero: NaN or inf there (rows a caller
     left past the last offset) turned whole weight gradients into NaN, and an operand
-    with tokens as its contiguous dim was read past its end (a view of a wider buffer:
-    whatever lies there). So a copy is made unless both operands have tokens as the outer
-    dim and nothing non-finite lies past offsets[-1]. On the CPU reading the last offset
+    with tokens as its contiguous dim was read past its end (in a row-major view of a
+    wider buffer: whatever lies there). So a copy is made where either can happen. A
+    contiguous operand is passed as it is (its rows' extra loads fall on the next row's
+    finite values, multiplied by zero; whether the last row is read past the allocation
+    was not established); the library's callers pass tokens-outer or contiguous operands,
+    so its results are unchanged by this function unless NaN or inf lie past offsets[-1]. On the CPU reading the last offset
     costs no device sync; under torch.compile the columns are masked instead."""
     L = a_NL.shape[1]
     if torch.compiler.is_compiling():
@@ -240,12 +243,12 @@ def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[
         b_KL = torch.where(keep, b_KL, torch.zeros((), dtype=b_KL.dtype))
     else:
         end = min(L, int(offsets_E[-1]))
-        tokens_outer = a_NL.stride(1) != 1 and b_KL.stride(1) != 1
-        if tokens_outer and (end == L or (torch.isfinite(a_NL[:, end:]).all()
-                                          and torch.isfinite(b_KL[:, end:]).all())):
-            # tokens as the outer dim (the library's callers): the kernel's extra loads stay
-            # inside the operand, and what lies past the last offset is finite (multiplied
-            # by zero) or absent; the operands as they are
+        # a row-major view of a wider buffer: the extra loads of its rows land in the buffer
+        narrow = any(t.stride(1) == 1 and t.stride(0) != t.shape[1] for t in (a_NL, b_KL))
+        if not narrow and (end == L or (torch.isfinite(a_NL[:, end:]).all()
+                                        and torch.isfinite(b_KL[:, end:]).all())):
+            # what lies past the last offset is finite (multiplied by zero) or absent:
+            # the operands as they are
             return a_NL, b_KL, L
     Lp = -(-end // _CPU_TILE_COLS) * _CPU_TILE_COLS
     out = []
