@@ -43,8 +43,6 @@ from mxmoe.ops.grouped_mm import mx_grouped_mm  # noqa: E402
 from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "grouped_mm"
-MODELS = harness.MOE_MODELS  # name: (D, F, E, top_k, T)
-QUICK_MODELS = harness.QUICK_MOE_MODELS
 SMOKE_MODEL = {"smoke": (64, 48, 4, 2, 64)}
 PASSES = ("forward", "dgrad", "wgrad")
 
@@ -135,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_common_args(p, timing="eager")
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated, from {', '.join(MODELS)} (default: all; --quick: {', '.join(QUICK_MODELS)})")
+    harness.add_models_arg(p)
     p.add_argument("--gemms", default="up,down", help="which GEMMs of each layer: up, down (default: %(default)s)")
     p.add_argument("--passes", default=",".join(PASSES), help="comma-separated passes (default: %(default)s)")
     p.add_argument("--routing", default="balanced", choices=("balanced", "skewed"), help="default: %(default)s")
@@ -151,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     gemms = [s.strip() for s in args.gemms.split(",") if s.strip()]
     if not gemms or any(s not in ("up", "down") for s in gemms):
         p.error(f"--gemms takes up and/or down, got {args.gemms!r}")
-    if args.smoke:
-        models = SMOKE_MODEL
-    else:
-        names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
-        unknown = [n for n in names if n not in MODELS]
-        if unknown:
-            p.error(f"unknown model(s) {unknown}; use {', '.join(MODELS)}")
-        models = {n: MODELS[n] for n in names}
+    models = harness.selected_models(p, args, SMOKE_MODEL)
     dev = harness.device_for(args)
     recipe = get_recipe(args.recipe, backend="triton" if args.smoke else "auto")
     env = harness.environment()

@@ -59,6 +59,24 @@ MOE_MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
 }
 QUICK_MOE_MODELS = ("qwen3-235b-a22b",)  # what --quick runs
+
+
+def add_models_arg(p: argparse.ArgumentParser) -> None:
+    """``--models``: a comma-separated subset of :data:`MOE_MODELS`."""
+    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MOE_MODELS)} "
+                                                  f"(default: all; --quick: {', '.join(QUICK_MOE_MODELS)})")
+
+
+def selected_models(p: argparse.ArgumentParser, args: argparse.Namespace,
+                    smoke_model: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shapes ``--models`` / ``--quick`` / ``--smoke`` select (``p.error`` on an unknown name)."""
+    if args.smoke:
+        return dict(smoke_model)
+    names = args.models.split(",") if args.models else list(QUICK_MOE_MODELS if args.quick else MOE_MODELS)
+    unknown = [n for n in names if n not in MOE_MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; use {', '.join(MOE_MODELS)}")
+    return {n: MOE_MODELS[n] for n in names}
 NOTES: list[str] = []  # fallbacks that happened during the run (graph capture failed, ...)
 
 

@@ -58,8 +58,6 @@ from mxmoe.nn import MoELayer  # noqa: E402
 from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "moe_layer"
-MODELS = harness.MOE_MODELS  # name: (D, F, E, top_k, T)
-QUICK_MODELS = harness.QUICK_MOE_MODELS
 SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
 VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
 STD = 0.02
@@ -276,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_common_args(p, timing="eager")
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated, from {', '.join(MODELS)} (default: all; --quick: {', '.join(QUICK_MODELS)})")
+    harness.add_models_arg(p)
     p.add_argument("--tokens", type=int, default=None, help="T for every model (default: each model's T)")
     p.add_argument("--variants", default=None, help="comma-separated (default: all; --quick: all but SonicMoE)")
     p.add_argument("--mxmoe-params", default="float32", choices=("float32", "bfloat16"),
@@ -293,14 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variant(s) {bad}; use {', '.join(VARIANTS)}")
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be a positive integer, got {args.tokens}")
-    if args.smoke:
-        models = dict(SMOKE_MODEL)
-    else:
-        names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else MODELS)
-        unknown = [n for n in names if n not in MODELS]
-        if unknown:
-            p.error(f"unknown model(s) {unknown}; use {', '.join(MODELS)}")
-        models = {n: MODELS[n] for n in names}
+    models = harness.selected_models(p, args, SMOKE_MODEL)
     if args.tokens is not None:
         models = {n: (*m[:4], args.tokens) for n, m in models.items()}
     dev = harness.device_for(args)
