@@ -42,11 +42,13 @@ def current_rss_gib() -> float | None:
 def git_describe() -> str | None:
     """The commit the code came from: the ``COMMIT`` environment variable when set (a copy
     of the tree without its own history, e.g. on a remote GPU machine, says it this way),
-    else ``git describe --always --dirty`` of the source tree, None outside a checkout."""
+    else ``git describe --tags --match "v*" --always --dirty`` of the source tree (release
+    tags only: other tags, such as archive tags, would name code that is not running),
+    None outside a checkout."""
     if os.environ.get("COMMIT"):
         return os.environ["COMMIT"]
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+        out = subprocess.run(["git", "describe", "--tags", "--match", "v*", "--always", "--dirty"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
