@@ -46,26 +46,31 @@ def layer_of(module: str) -> int:
     return LAYERS.index(parts[1])
 
 
+def _relative_base(current: str, is_package: bool, level: int) -> list[str]:
+    """The package parts a relative import of ``level`` dots starts from."""
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    return base[: len(base) - (level - 1)]
+
+
+def _deepest(name: str, known: dict) -> str:
+    """The deepest mxmoe module on ``name``'s path (``mxmoe.ops.quantize.x`` -> ``mxmoe.ops.quantize``)."""
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
 def resolve(current: str, is_package: bool, node: ast.ImportFrom | ast.Import, known: dict) -> list[str]:
     """The mxmoe modules an import statement loads (attributes of a package count as the package)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
         if node.level:
-            base = current.split(".") if is_package else current.split(".")[:-1]
-            base = base[: len(base) - (node.level - 1)]
+            base = _relative_base(current, is_package, node.level)
             prefix = ".".join(base + ([node.module] if node.module else []))
         else:
             prefix = node.module or ""
         names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
-    out = []
-    for name in names:
-        if not name.startswith(PACKAGE):
-            continue
-        while name not in known and "." in name:  # `import mxmoe.ops.quantize.x`: the deepest module
-            name = name.rsplit(".", 1)[0]
-        out.append(name)
-    return out
+    return [_deepest(name, known) for name in names if name.startswith(PACKAGE)]
 
 
 def _dynamic_import_names(current: str, is_package: bool, call: ast.Call) -> list[str]:
@@ -80,9 +85,7 @@ def _dynamic_import_names(current: str, is_package: bool, call: ast.Call) -> lis
         return ["<dynamic>"]  # a computed module name: refused outright (see the test)
     target = first.value
     if target.startswith("."):
-        level = len(target) - len(target.lstrip("."))
-        base = current.split(".") if is_package else current.split(".")[:-1]
-        base = base[: len(base) - (level - 1)]
+        base = _relative_base(current, is_package, len(target) - len(target.lstrip(".")))
         rest = target.lstrip(".")
         target = ".".join(base + ([rest] if rest else []))
     return [target]
@@ -152,12 +155,6 @@ def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[
         every[name].discard(name)
         top[name].discard(name)
     return every, top
-
-
-def _deepest(name: str, known: dict) -> str:
-    while name not in known and "." in name:
-        name = name.rsplit(".", 1)[0]
-    return name
 
 
 def upward_imports(module: str, every: dict[str, set[str]]) -> list[str]:
