@@ -251,12 +251,7 @@ def _cpu_wgrad_operands(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor) -> tuple[
             # the operands as they are
             return a_NL, b_KL, L
     Lp = -(-end // _CPU_TILE_COLS) * _CPU_TILE_COLS
-    out = []
-    for t in (a_NL, b_KL):
-        buf = t.new_zeros(t.shape[0], Lp)
-        buf[:, :end] = t[:, :end]
-        out.append(buf)
-    return out[0], out[1], Lp
+    return _pad_to(a_NL[:, :end], {1: Lp}), _pad_to(b_KL[:, :end], {1: Lp}), Lp
 
 
 def grouped_mm_tn(a_NL: Tensor, b_KL: Tensor, offsets_E: Tensor, nonempty_groups: bool = False) -> Tensor:
