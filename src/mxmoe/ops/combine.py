@@ -12,10 +12,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
 from ..recipe import Recipe
-from .backend import use_triton
+from .backend import use_triton_for
 from .quantize import dequantize_mx, fake_quantize_operand, quantize_mx
 
 
@@ -141,8 +140,7 @@ def _combine_triton(y_sorted_AD: Tensor, recipe: Recipe) -> bool:
     Triton for y, y is bf16 (the kernels' products are rounded to bf16; see
     ``_check_bf16`` there) and D is a multiple of the block size (no padding to write)."""
     return (y_sorted_AD.dtype == torch.bfloat16 and y_sorted_AD.shape[1] % recipe.block_size == 0
-            and use_triton(y_sorted_AD.device, y_sorted_AD.dtype, ElemFormat.parse(recipe.fmt), recipe.block_size,
-                           recipe.backend))
+            and use_triton_for(y_sorted_AD, recipe))
 
 
 # eager under torch.compile (the note at mxmoe.ops.grouped_mm._apply); the plain combine compiles

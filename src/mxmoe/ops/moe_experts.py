@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor
-from .backend import use_triton
+from .backend import use_triton_for
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import (
@@ -60,14 +60,10 @@ BLOCK = 32
 GEMM_DTYPE = torch.bfloat16  # operand dtype of the grouped GEMMs (exact for MXFP8 values)
 
 
-def _triton(recipe: Recipe, device: torch.device, dtype: torch.dtype = GEMM_DTYPE) -> bool:
-    return use_triton(device, dtype, ElemFormat.parse(recipe.fmt), recipe.block_size, recipe.backend)
-
-
 def gather_fake_quantize_rows(x_TD: Tensor, src_A: Tensor, recipe: Recipe) -> Tensor:
     """(A, D) bf16: x[src[a]] quantized to MXFP8 along D and dequantized (the forward
     GEMM operand), the gather fused into the quantizer's read on the Triton path."""
-    if _triton(recipe, x_TD.device, x_TD.dtype):
+    if use_triton_for(x_TD, recipe):
         from ..kernels.moe_experts import triton_gather_fake_quantize_rows
 
         return triton_gather_fake_quantize_rows(x_TD, src_A, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
@@ -78,7 +74,7 @@ def quantize_grouped_gather(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, reci
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """x[src] quantized along tokens, each expert's tokens in their own blocks: codes
     (D, Ap), E8M0 scales (D, Ap / 32), padded offsets (E,) int32."""
-    if _triton(recipe, x_TD.device, x_TD.dtype):
+    if use_triton_for(x_TD, recipe):
         from ..kernels.moe_experts import triton_quantize_grouped_gather
 
         return triton_quantize_grouped_gather(x_TD, src_A, offsets_E, recipe.fmt, recipe.scale_mode)
@@ -92,7 +88,7 @@ def _silu_f32(g: Tensor) -> Tensor:
 def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tensor]:
     """act = silu(gate) * up in float32, quantized to MXFP8 along F and dequantized to bf16
     (A, F); h's codes (A, 2F) and E8M0 scales (A, 2F / 32), blocks along F."""
-    if _triton(recipe, h_A2F.device, h_A2F.dtype):
+    if use_triton_for(h_A2F, recipe):
         from ..kernels.moe_experts import triton_swiglu_quantize
 
         return triton_swiglu_quantize(h_A2F, recipe.fmt, recipe.scale_mode, GEMM_DTYPE)
@@ -108,7 +104,7 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
 def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor]:
     """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
     recomputed act (A, F), both bf16, float32 math on the dequantized gate and up."""
-    if _triton(recipe, dact_AF.device, dact_AF.dtype):
+    if use_triton_for(dact_AF, recipe):
         from ..kernels.moe_experts import triton_swiglu_backward
 
         return triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE)
@@ -138,7 +134,7 @@ def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype,
         raise ValueError(f"{x_AD.shape[0]} rows are not k = {k} rows per token (k >= 1)")
     if rows_A.shape != (x_AD.shape[0],):
         raise ValueError(f"rows must have shape ({x_AD.shape[0]},), one per row of x, got {tuple(rows_A.shape)}")
-    if _triton(recipe, x_AD.device, x_AD.dtype):
+    if use_triton_for(x_AD, recipe):
         from ..kernels.moe_experts import triton_sum_token_rows
 
         return triton_sum_token_rows(x_AD, rows_A, k, out_dtype)
@@ -150,7 +146,7 @@ def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
     """Saved (C, Ap) codes + (C, Ap / 32) scales -> (C, Ap) bf16 (blocks along Ap); on the
     Triton path the transposed view of a contiguous (Ap, C) tensor, the layout of the
     other wgrad operand (:func:`~mxmoe.ops.quantize.fake_quantize_grouped_tokens`)."""
-    if _triton(recipe, q.device):
+    if use_triton_for(q, recipe, GEMM_DTYPE):
         from ..kernels.quantize import dequantize_colwise
 
         return dequantize_colwise(q, s, GEMM_DTYPE).t()

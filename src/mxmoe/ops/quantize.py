@@ -35,7 +35,7 @@ from ..numerics.mx_tensor import (
 )
 from ..numerics.qdq import torch_fake_quantize_mx
 from ..recipe import Recipe
-from .backend import TRITON_DTYPES, use_triton
+from .backend import TRITON_DTYPES, use_triton, use_triton_for
 
 
 def quantize_mx(
@@ -199,8 +199,7 @@ def fake_quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe
         takes any layout at about the same speed on the H200), and
         (E,) int32 cumulative ends in the padded token layout.
     """
-    if out_dtype in TRITON_DTYPES and use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size,
-                                                 recipe.backend):
+    if out_dtype in TRITON_DTYPES and use_triton_for(x_TC, recipe):
         from ..kernels.quantize import fake_quantize_grouped_colwise
 
         xq_TpC, padded_offsets = fake_quantize_grouped_colwise(x_TC, offsets_E.to(torch.int32), recipe.fmt.value,
@@ -234,7 +233,7 @@ def fake_quantize_grouped_tokens_pair(a_TC: Tensor, b_TC: Tensor, offsets_E: Ten
         raise ValueError(f"expected a (T, CA) and b (T, CB) with the same T, got {tuple(a_TC.shape)} and "
                          f"{tuple(b_TC.shape)}")
     if (out_dtype in TRITON_DTYPES and a_TC.dtype == b_TC.dtype
-            and use_triton(a_TC.device, a_TC.dtype, recipe.fmt, recipe.block_size, recipe.backend)):
+            and use_triton_for(a_TC, recipe)):
         from ..kernels.quantize import fake_quantize_grouped_colwise_pair
 
         a_TpC, b_TpC, padded_offsets = fake_quantize_grouped_colwise_pair(
@@ -268,8 +267,7 @@ def fake_quantize_rowcol(x: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> t
     if x.dim() not in (2, 3):
         raise ValueError(f"fake_quantize_rowcol takes a 2-D (T, C) or 3-D (E, N, K) tensor, got shape "
                          f"{tuple(x.shape)}")
-    if out_dtype in TRITON_DTYPES and x.numel() and use_triton(x.device, x.dtype, recipe.fmt, recipe.block_size,
-                                                              recipe.backend):
+    if out_dtype in TRITON_DTYPES and x.numel() and use_triton_for(x, recipe):
         from ..kernels.quantize import fake_quantize_rowcol as kernel
 
         return kernel(x, recipe.fmt.value, recipe.scale_mode.value, out_dtype)

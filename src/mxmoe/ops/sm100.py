@@ -56,7 +56,7 @@ from ..numerics.formats import MX_BLOCK_SIZE
 from ..numerics.grouped import scatter_to_padded_groups, torch_quantize_grouped_dim0
 from ..numerics.layout import BLOCKED_TILE_COLS, BLOCKED_TILE_ROWS, to_blocked_scales
 from ..recipe import Recipe
-from .backend import scaled_grouped_mm_api, use_triton
+from .backend import scaled_grouped_mm_api, use_triton_for
 from .gemm import zero_rows_past_end
 from .quantize import quantize_mx
 
@@ -244,7 +244,7 @@ def native_args_nn(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Reci
 def _quantize_grouped_tokens(x_TC: Tensor, offsets_E: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tensor]:
     """(C, L) codes, (C, L / 32) scales and padded offsets, each expert's tokens in their
     own blocks (the Triton kernel on CUDA where the recipe's backend allows it)."""
-    if use_triton(x_TC.device, x_TC.dtype, recipe.fmt, recipe.block_size, recipe.backend):
+    if use_triton_for(x_TC, recipe):
         from ..kernels.quantize import quantize_grouped_colwise
 
         return quantize_grouped_colwise(x_TC, offsets_E.to(torch.int32), recipe.fmt.value, recipe.scale_mode.value)
