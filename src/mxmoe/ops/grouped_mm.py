@@ -86,17 +86,21 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _dgrad(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe, wq_dgrad: Tensor | None = None) -> Tensor:
+def _dgrad(dy_TN: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe, wq_dgrad: Tensor | None = None,
+           backend: GroupedGemmBackend | None = None) -> Tensor:
     """The dgrad of ``mx_grouped_mm``: dx (T, K) in dy's dtype = dy_e (quantized along N)
     times w_e (quantized along N, or ``wq_dgrad``: the copy ``weight_operands`` made in the
-    forward inside ``weight_copy_cache()``). dy (T, N) contiguous, in x's dtype."""
+    forward inside ``weight_copy_cache()``). dy (T, N) contiguous, in x's dtype. ``backend``:
+    the caller's :func:`grouped_gemm_backend` for this dgrad, if it has one (else it is
+    chosen here); not ``NATIVE_MXFP8``, which the callers run themselves."""
     dtype = dy_TN.dtype
     if not recipe.quantize:
         return grouped_mm_nn(dy_TN.to(torch.bfloat16), dgrad_operand(w_ENK, recipe, torch.bfloat16, wq_dgrad),
                              offsets_E).to(dtype)
     dyq_TN = fake_quantize_operand(dy_TN, recipe, dim=1, out_dtype=dtype)  # along N
-    backend = grouped_gemm_backend("dgrad", dy_TN, w_ENK, offsets_E, recipe,
-                                   weight_cached=wq_dgrad is not None or active_cache(w_ENK) is not None)
+    if backend is None:
+        backend = grouped_gemm_backend("dgrad", dy_TN, w_ENK, offsets_E, recipe,
+                                       weight_cached=wq_dgrad is not None or active_cache(w_ENK) is not None)
     if backend is GroupedGemmBackend.CUTLASS_QUANTIZED_WEIGHT:  # same values as the pass below
         dx = cutlass_mx_grouped_gemm.grouped_mm_nn_wq(dyq_TN, w_ENK, offsets_E, recipe)
         if dx is not None:
@@ -128,9 +132,11 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     recipe = get_recipe(recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
-        if grouped_gemm_backend("dgrad", dy, w, offsets, recipe) is GroupedGemmBackend.NATIVE_MXFP8:
-            return native_grouped_mm_nn(dy.contiguous(), w, offsets, recipe, out_dtype=dy.dtype)
-        return _dgrad(dy.contiguous(), w, offsets, recipe)
+        dy = dy.contiguous()
+        backend = grouped_gemm_backend("dgrad", dy, w, offsets, recipe, weight_cached=active_cache(w) is not None)
+        if backend is GroupedGemmBackend.NATIVE_MXFP8:
+            return native_grouped_mm_nn(dy, w, offsets, recipe, out_dtype=dy.dtype)
+        return _dgrad(dy, w, offsets, recipe, backend=backend)
 
 
 # torch.compile runs our MXFP8 autograd Functions eagerly, a graph break on each side (the
