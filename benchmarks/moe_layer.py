@@ -30,7 +30,9 @@ before each step:
 
 Reported per variant: ms per forward + backward; expert-GEMM TFLOP/s (18 A D F over the
 A = T * top-k rows); "x SonicMoE" and "x HF" = their time / this time (above 1: faster);
-"% of floor" = floor time / this time; activation MB kept for the backward =
+"% of floor" = floor time / this time; with ``--breakdown``, GPU kernel ms per stage
+(quantize, GEMM, router, gather/scatter/combine, activation, casts and copies, other: kernel
+names matched against :data:`STAGES` in a torch.profiler run); activation MB kept for the backward =
 ``torch.cuda.memory_allocated`` after the forward minus before, less the output. A variant
 that runs out of memory is reported as such.
 
@@ -227,6 +229,53 @@ def activation_bytes(forward: Callable, x: torch.Tensor, dev: torch.device) -> i
     return kept
 
 
+# kernel name patterns -> stage, first match wins (Triton, CUTLASS/cuBLAS, QuACK/CuTe-DSL and
+# torch kernel names on the H200); anything else is "other"
+STAGES = (
+    ("quantize", ("quantize", "_mx_", "mx_rows", "mx_tile", "grouped_tok", "grouped_col", "dequant", "fp8", "e4m3")),
+    ("GEMM", ("gemm", "sm90_xmma", "cutlass", "nvjet", "wgmma", "matmul", "_mm_", "bmm", "gated", "Gemm")),
+    ("router", ("topk", "softmax", "sort", "bincount", "histc", "cumsum", "argsort", "radix")),
+    ("gather/scatter/combine", ("gather", "scatter", "index", "combine", "permute", "zero_fill")),
+    ("activation", ("silu", "swiglu", "glu", "mul_kernel", "sigmoid")),
+    ("casts/copies/elementwise", ("copy", "cast", "elementwise", "fill", "add", "vectorized")),
+)
+
+
+def stage_of(kernel: str) -> str:
+    low = kernel.lower()
+    for stage, keys in STAGES:
+        if any(k.lower() in low for k in keys):
+            return stage
+    return "other"
+
+
+def breakdown(step: Callable, dev: torch.device, reps: int = 3) -> dict[str, float]:
+    """GPU kernel time per stage (ms per forward + backward) of ``step``, from torch.profiler
+    over ``reps`` calls after one warm call; kernel names matched against :data:`STAGES`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize(dev)
+    from torch.autograd import DeviceType
+
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():  # device events only: the kernels themselves (CPU ops would count them twice)
+        if getattr(ev, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if not t:
+            continue
+        st = stage_of(ev.key)
+        out[st] = out.get(st, 0.0) + t / 1e3 / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, dy: torch.Tensor,
                 dev: torch.device, args) -> dict[str, Any]:
     """Time one variant; returns {"ms", "act_MB", "note"} (ms None if it did not run)."""
@@ -251,6 +300,7 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
             forward(xx).backward(dy)
 
         ms = 1e3 * harness.bench(step, **timing)
+        stages = breakdown(step, dev) if args.breakdown and dev.type == "cuda" else None
         for p in params:
             p.grad = None
         act = activation_bytes(forward, x, dev)
@@ -261,7 +311,7 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
             note = f"sonic-moe {_SONIC['version']}, QuACK configs: {_SONIC['configs']}"
         elif variant == "HF grouped_mm bf16":
             note = f"experts_implementation={module.experts.config._experts_implementation}"
-        return {"ms": ms, "act_MB": act / 1e6 if act is not None else None, "note": note}
+        return {"ms": ms, "act_MB": act / 1e6 if act is not None else None, "note": note, "stages_ms": stages}
     except torch.cuda.OutOfMemoryError:
         return {"ms": None, "act_MB": None, "note": "out of memory"}
     finally:
@@ -282,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sonic-configs", default="narrow", choices=("one", "narrow", "all"),
                    help="QuACK autotuning list for SonicMoE: its default configuration, the 6 around it, or all 44 "
                         "(default: %(default)s)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also profile each variant and print its GPU kernel time per stage (quantize, GEMM, router, "
+                        "gather/scatter/combine, activation, casts/copies, other)")
     args = p.parse_args(argv)
     args.variants_given = args.variants is not None
     variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
@@ -310,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()  # the variant's module and graph, released with run_variant's frame
             harness.free_memory()
             print(f"  {variant:20s} {harness.fmt(res[variant]['ms'], '.2f')} ms  {res[variant]['note']}", flush=True)
+            if res[variant].get("stages_ms"):
+                print("    stages (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in res[variant]["stages_ms"].items()),
+                      flush=True)
         del x, dy
         harness.free_memory()
         flops = 18.0 * T * k * D * F

@@ -43,7 +43,7 @@ BLOCK = 32
 SHAPES_2D = [(16384, 4096), (16384, 7168), (131072, 4096)]  # (T, C): activations, and the top-8 rows of Qwen3
 SHAPES_3D = [(128, 3072, 4096), (8, 28672, 4096)]  # (E, N, K): Qwen3-235B-A22B and Mixtral-8x7B w13
 GROUPED_C = 4096
-GROUPED_E = (8, 64, 128, 256)
+GROUPED_E = (8, 64, 128, 256, 384)
 GROUPED_TOKENS = (64, 512, 4096)
 SKEWED_TOKENS = 512
 
@@ -125,7 +125,8 @@ def cases_grouped(args, dev, recipe) -> list[harness.Row]:
         grid = [(4, 40, False), (8, 40, True)]
         C = 64
     elif args.quick:
-        grid = [(8, 64, False), (8, 4096, False), (128, 64, False), (128, 4096, False), (128, SKEWED_TOKENS, True)]
+        grid = [(8, 64, False), (8, 4096, False), (128, 64, False), (128, 4096, False), (128, SKEWED_TOKENS, True),
+                (384, 512, False)]
         C = GROUPED_C
     else:
         grid = [(E, t, False) for E in GROUPED_E for t in GROUPED_TOKENS] + \

@@ -136,12 +136,16 @@ def save(out, state):
         raise SystemExit(3)
 t.save_checkpoint = save
 """
-# every run on the math attention backend: cuDNN's attention backward is not deterministic,
-# and two uninterrupted runs would already differ
+# every run on the math attention backend and with torch's deterministic algorithms (cuBLAS
+# with a fixed workspace): cuDNN's attention backward and some CUDA ops are not
+# deterministic, and two uninterrupted runs would already differ (seen at step 2 with the
+# GPU shared by a parallel test run)
 MATH_ATTENTION = """
 import sys
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 sdpa_kernel([SDPBackend.MATH]).__enter__()
+torch.use_deterministic_algorithms(True, warn_only=True)
 """
 CLI = "from mxmoe.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
@@ -149,7 +153,8 @@ CLI = "from mxmoe.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 def test_graphed_run_resumed_from_checkpoint_equals_uninterrupted(tmp_path):
     flags = ["train", "--preset", "h200", "--layers", "2", "--recipe", "mxfp8", "--steps", "12", "--ckpt-interval",
              "6", "--eval-interval", "100", "--batch-size", "8", "--no-progress"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               CUBLAS_WORKSPACE_CONFIG=":4096:8")
 
     def train(code, out, *extra):
         cmd = [sys.executable, "-c", MATH_ATTENTION + code + CLI, *flags, "--out-dir", str(out), *extra]

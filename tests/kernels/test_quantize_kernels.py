@@ -576,6 +576,67 @@ def test_group_layout_kernel_equals_the_torch_layout(E):
         assert got[2] == want[2]
 
 
+def _token_table_by_definition(offsets, T, n_blocks):
+    """tok0 and tok_end of every padded block, one expert at a time (the definition in
+    numerics.grouped's padded layout: expert g's blocks start at block_starts[g], its
+    tokens at offsets[g - 1], and end at offsets[g], never past T)."""
+    from mxmoe.numerics.grouped import padded_group_layout
+
+    block_starts, _, _ = padded_group_layout(offsets, T)
+    tok0, tok_end = torch.zeros(n_blocks, dtype=torch.int32), torch.zeros(n_blocks, dtype=torch.int32)
+    ends = offsets.tolist()
+    for g in range(len(ends)):
+        first_tok = ends[g - 1] if g else 0
+        for b in range(int(block_starts[g]), int(block_starts[g + 1])):
+            if b < n_blocks:
+                tok0[b] = first_tok + 32 * (b - int(block_starts[g]))
+                tok_end[b] = min(ends[g], T)
+    return tok0, tok_end
+
+
+# expert counts below, at and across the kernel's chunk of experts (kq._TABLE_BLOCK_E) and
+# its chunk of blocks; 384 as in the largest MoE models
+@pytest.mark.parametrize("E", [1, 7, 64, 65, 130, 384])
+def test_group_token_table_equals_its_definition(E):
+    """kq.group_token_table (one launch, experts walked in chunks) gives each padded block's
+    first token and its expert's end as the per-expert definition does: random, empty,
+    one-huge-expert and all-empty routings; blocks past the last expert read nothing."""
+    g = torch.Generator().manual_seed(E)
+    cases = [torch.randint(0, 100, (E,), generator=g), torch.zeros(E, dtype=torch.int64),
+             torch.randint(0, 3, (E,), generator=g) * 700, torch.randint(0, 40, (E,), generator=g)]
+    cases[3][E // 2] = 2000  # one expert takes most tokens (skewed routing)
+    for sizes in cases:
+        offsets = sizes.cumsum(0).to(torch.int32)
+        T = int(offsets[-1])
+        block_starts, _, Tp = kq.group_layout(offsets.to(DEV), T)
+        tok0, tok_end = kq.group_token_table(offsets.to(DEV), block_starts, T, Tp // 32)
+        want0, want_end = _token_table_by_definition(offsets, T, Tp // 32)
+        used = want_end > 0  # tok0 of a block that reads nothing is not read
+        assert torch.equal(tok_end.cpu(), want_end)
+        assert torch.equal(tok0.cpu()[used], want0[used])
+
+
+@pytest.mark.parametrize("E", [65, 130])
+def test_grouped_token_quantizer_bit_exact_across_expert_chunks(E):
+    """The dequantized wgrad-operand quantizer with more experts than one chunk of the token
+    table equals the torch reference (scatter to the padded layout, then blocks along
+    tokens) bit for bit, with empty experts and one expert of many blocks."""
+    from mxmoe.numerics.grouped import scatter_to_padded_groups
+    from mxmoe.numerics.qdq import torch_fake_quantize_mx
+
+    g = torch.Generator().manual_seed(E)
+    sizes = torch.randint(0, 9, (E,), generator=g)
+    sizes[E // 3] = 97
+    offsets = sizes.cumsum(0).to(torch.int32)
+    T = int(offsets[-1])
+    x = hard(T, 32, seed=E)
+    got, po = kq.fake_quantize_grouped_colwise(x.to(DEV), offsets.to(DEV), "e4m3", "rceil", torch.float32)
+    padded, want_po = scatter_to_padded_groups(x, offsets, 32)
+    want = torch_fake_quantize_mx(padded, dim=0)
+    assert torch.equal(po.cpu(), want_po)
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+
+
 _COMPILE_SM90 = """
 import json, sys
 import triton
@@ -599,24 +660,28 @@ E4 = {"ELEM": tk.ELEM_E4M3, "MODE": tk.MODE_RCEIL, **GPU}
 ptx = []
 if kind == "grouped":  # the grouped codes kernel with its H200 settings, and the one-launch layout kernel
     cfg = kq.TUNING["grouped"]
-    asm = compile_sm90(tk._mx_grouped_col_t8_kernel, {"x_ptr": dtype, "ends_ptr": "*i32", "block_starts_ptr": "*i32",
+    asm = compile_sm90(tk._mx_grouped_col_t8_kernel, {"x_ptr": dtype, "tok0_ptr": "*i32", "tok_end_ptr": "*i32",
                                                       "q_ptr": "*u8", "s_ptr": "*u8", "src_ptr": "*i32"},
-                       {**E4, "E_POW2": 128, "BLOCK_T": cfg["block_t"], "BLOCK_C": cfg["block_c"], "HAS_SRC": True,
+                       {**E4, "BLOCK_T": cfg["block_t"], "BLOCK_C": cfg["block_c"], "HAS_SRC": True,
                         "stride_xc": 1}, cfg["num_warps"])
     ptx.append(asm["ptx"])
     layout = compile_sm90(tk._group_layout_kernel, {"ends_ptr": "*i32", "block_starts_ptr": "*i32",
                                                     "padded_offsets_ptr": "*i32"}, {"E_POW2": 128}, 4)
     assert len(layout["cubin"]) > 0
+    table = compile_sm90(tk._block_token_table_kernel, {"ends_ptr": "*i32", "block_starts_ptr": "*i32",
+                                                        "tok0_ptr": "*i32", "tok_end_ptr": "*i32"},
+                         {"BLOCK_B": kq._TABLE_BLOCK_B, "BLOCK_E": kq._TABLE_BLOCK_E}, 4)
+    assert len(table["cubin"]) > 0
     g = kq.TUNING["grouped_tok"]  # the dequantized wgrad operand (t8 read, rows written back)
-    tok = compile_sm90(tk._mx_grouped_tok_dq_kernel, {"x_ptr": dtype, "ends_ptr": "*i32", "block_starts_ptr": "*i32",
+    tok = compile_sm90(tk._mx_grouped_tok_dq_kernel, {"x_ptr": dtype, "tok0_ptr": "*i32", "tok_end_ptr": "*i32",
                                                       "d_ptr": "*bf16"},
-                       {**E4, "E_POW2": 128, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"], "stride_xc": 1},
+                       {**E4, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"], "stride_xc": 1},
                        g["num_warps"])
     assert "max.NaN.f32" in tok["ptx"] and "ld.global.v4" in tok["ptx"]
     pair = compile_sm90(tk._mx_grouped_tok_dq_pair_kernel,  # both wgrad operands in one launch
-                        {"a_ptr": dtype, "da_ptr": "*bf16", "b_ptr": dtype, "db_ptr": "*bf16", "ends_ptr": "*i32",
-                         "block_starts_ptr": "*i32"},
-                        {**E4, "E_POW2": 128, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"], "stride_ac": 1,
+                        {"a_ptr": dtype, "da_ptr": "*bf16", "b_ptr": dtype, "db_ptr": "*bf16", "tok0_ptr": "*i32",
+                         "tok_end_ptr": "*i32"},
+                        {**E4, "BLOCK_G": g["block_g"], "BLOCK_C": g["block_c"], "stride_ac": 1,
                          "stride_bc": 1}, g["num_warps"])
     assert pair["ptx"].count("max.NaN.f32") == 2 * tok["ptx"].count("max.NaN.f32") > 0
     assert pair["ptx"].count("ld.global.v4") == 2 * tok["ptx"].count("ld.global.v4") > 0

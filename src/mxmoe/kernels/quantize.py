@@ -280,6 +280,34 @@ def group_layout(offsets: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
     return block_starts, padded_offsets, BLOCK * (T // BLOCK + E)
 
 
+_TABLE_BLOCK_B = 64  # padded 32-token blocks per program of the token table kernel
+_TABLE_BLOCK_E = 64  # experts per step of its walk
+
+
+def group_token_table(offsets: Tensor, block_starts: Tensor, T: int, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """The token table of the per-expert padded layout, one Triton launch, no host sync.
+
+    Args:
+        offsets: (E,) int32 contiguous cumulative token ends (non-decreasing).
+        block_starts: (E + 1,) int32 cumulative 32-token block counts from :func:`group_layout`.
+        T: the rows that may be read (a block never reads past row T).
+        n_blocks: padded blocks to describe (Tp / 32).
+
+    Returns:
+        ``(tok0, tok_end)``: int32 (n_blocks,) each: the first token of padded block b and
+        the end of its expert's tokens (0 for blocks past the last expert's), so block b
+        holds tokens tok0[b] .. min(tok0[b] + 32, tok_end[b]) and zeros after them.
+    """
+    dev = offsets.device
+    tok0 = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    tok_end = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    if n_blocks:
+        tk._block_token_table_kernel[(triton.cdiv(n_blocks, _TABLE_BLOCK_B),)](
+            offsets, block_starts.to(torch.int32).contiguous(), offsets.numel(), T, n_blocks, tok0, tok_end,
+            BLOCK_B=_TABLE_BLOCK_B, BLOCK_E=_TABLE_BLOCK_E, num_warps=4)
+    return tok0, tok_end
+
+
 def _checked_offsets(offsets: Tensor, device: torch.device) -> Tensor:
     """offsets as the grouped kernels index them: dense int32 on ``device``; ValueError otherwise."""
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != device:
@@ -329,15 +357,15 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
             if t is not dummy:
                 t.zero_()
         return out
-    e_pow2 = triton.next_power_of_2(E + 1)
+    tok0, tok_end = group_token_table(offsets, block_starts, T, Tp // BLOCK)
     if dq_dtype is not None:  # dequantized values: padded token layout, not transposed
         # only the codes kernel fuses the gather: this one reads the gathered rows (T counts them)
         xg = x if src is None else x.index_select(0, src.to(torch.int64))
         cfg, block_g, block_c = _grouped_tok_settings()
         tk._mx_grouped_tok_dq_kernel[_grid(triton.cdiv(C, block_c), triton.cdiv(Tp // BLOCK, block_g),
                                             what="grouped token quantizer (tokens)")](
-            xg, xg.stride(0), xg.stride(1), T, C, offsets, block_starts, E, dq, Tp,
-            ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], E_POW2=e_pow2,
+            xg, xg.stride(0), xg.stride(1), C, tok0, tok_end, dq, Tp,
+            ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
             BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
         )
     if write_q:  # codes, with or without the gather
@@ -345,10 +373,10 @@ def _grouped_launch(x: Tensor, offsets: Tensor, fmt: str, mode: str, write_q: bo
         block_t, block_c = cfg["block_t"], cfg["block_c"]
         tk._mx_grouped_col_t8_kernel[_grid(triton.cdiv(C, block_c), triton.cdiv(Tp, block_t),
                                             what="grouped column quantizer (tokens)")](
-            x, x.stride(0), x.stride(1), T, C, offsets, block_starts, E, q, s, Tp,
+            x, x.stride(0), x.stride(1), C, tok0, tok_end, q, s, Tp,
             src if src is not None else dummy,
             ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
-            E_POW2=e_pow2, BLOCK_T=block_t, BLOCK_C=block_c, HAS_SRC=src is not None, num_warps=cfg["num_warps"],
+            BLOCK_T=block_t, BLOCK_C=block_c, HAS_SRC=src is not None, num_warps=cfg["num_warps"],
         )
     return out
 
@@ -527,12 +555,13 @@ def fake_quantize_grouped_colwise_pair(a: Tensor, b: Tensor, offsets: Tensor, fm
     nca, ncb = triton.cdiv(CA, block_c), triton.cdiv(CB, block_c)
     if nca + ncb == 0:
         return da, db, padded_offsets
+    tok0, tok_end = group_token_table(offsets, block_starts, T, Tp // BLOCK)
     tk._mx_grouped_tok_dq_pair_kernel[_grid(nca + ncb, triton.cdiv(Tp // BLOCK, block_g),
                                              what="grouped token quantizer pair (tokens)")](
         a, a.stride(0), a.stride(1), CA, da, nca, b, b.stride(0), b.stride(1), CB, db,
-        T, offsets, block_starts, E, Tp,
+        tok0, tok_end, Tp,
         ELEM=elem, MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"],
-        E_POW2=triton.next_power_of_2(E + 1), BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+        BLOCK_G=block_g, BLOCK_C=block_c, num_warps=cfg["num_warps"],
     )
     return da, db, padded_offsets
 
