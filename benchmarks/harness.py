@@ -153,8 +153,11 @@ def _version(dist: str) -> str | None:
 
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of the repository, else ``$COMMIT``, else "unknown"
-    (the working tree copied to a GPU machine may come without ``.git``)."""
+    """``$COMMIT`` if set, else ``git rev-parse --short HEAD`` of the repository, else
+    "unknown" (the working tree copied to a GPU machine may come without ``.git``, or with
+    the ``.git`` of an older commit: the caller names the commit it copied)."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -162,7 +165,7 @@ def git_commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("COMMIT") or "unknown"
+    return "unknown"
 
 
 def environment() -> dict[str, Any]:
