@@ -12,6 +12,9 @@ before each step:
 - ``mxmoe mxfp8``: :class:`mxmoe.nn.MoELayer` under the "mxfp8" recipe (fused expert op),
   float32 master weights (``--mxmoe-params bfloat16`` for bf16 ones), bf16 activations;
 - ``mxmoe bf16``: the same layer under the "bf16" recipe;
+- ``mxmoe mxfp8 (bf16 params)`` and ``mxmoe bf16 (bf16 params)``: both with bfloat16
+  parameters (what FSDP2's MixedPrecisionPolicy hands the layer; the parameter mode of
+  SonicMoE and the HF block);
 - ``SonicMoE bf16`` (if ``import sonicmoe`` works, e.g. after ``source .hopper/activate``):
   ``sonicmoe.MoE`` with bf16 parameters, ``KernelBackendMoE.sonicmoe``. QuACK autotunes
   each GEMM over 44 sm90 configurations, compiling each on first use (minutes); by default
@@ -61,7 +64,9 @@ from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "moe_layer"
 SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
-VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
+VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "mxmoe mxfp8 (bf16 params)", "mxmoe bf16 (bf16 params)", "SonicMoE bf16",
+            "HF grouped_mm bf16", "bf16 GEMM floor")
+BF16_PARAMS = " (bf16 params)"  # suffix of the mxmoe variants with bf16 parameters
 STD = 0.02
 
 
@@ -179,11 +184,17 @@ def floor_step(D: int, F: int, E: int, A: int, dev: torch.device) -> Callable[[]
 
 # ---- one variant --------------------------------------------------------------------------
 
+def param_dtype(variant: str, args) -> torch.dtype:
+    """Parameter dtype of an mxmoe variant: bfloat16 for the " (bf16 params)" ones, else
+    ``--mxmoe-params``."""
+    return torch.bfloat16 if variant.endswith(BF16_PARAMS) else getattr(torch, args.mxmoe_params)
+
+
 def build(variant: str, D: int, F: int, E: int, k: int, dev: torch.device, args) -> tuple[nn.Module, Callable]:
     """(module, forward(x) -> y) of a layer variant."""
     if variant.startswith("mxmoe"):
         recipe = get_recipe("mxfp8" if "mxfp8" in variant else "bf16")  # the Triton kernels on CUDA
-        with torch.device(dev), default_dtype(getattr(torch, args.mxmoe_params)):
+        with torch.device(dev), default_dtype(param_dtype(variant, args)):
             layer = MoELayer(D, E, k, F, 1, recipe, fused=True)
         return layer, lambda x: layer(x)[0]
     if variant == "SonicMoE bf16":
@@ -241,6 +252,9 @@ STAGES = (
 )
 
 
+TOP_KERNELS = 12  # kernels listed by time in a breakdown
+
+
 def stage_of(kernel: str) -> str:
     low = kernel.lower()
     for stage, keys in STAGES:
@@ -263,6 +277,7 @@ def breakdown(step: Callable, dev: torch.device, reps: int = 3) -> dict[str, flo
     from torch.autograd import DeviceType
 
     out: dict[str, float] = {}
+    kernels: list[tuple[float, str]] = []
     for ev in prof.key_averages():  # device events only: the kernels themselves (CPU ops would count them twice)
         if getattr(ev, "device_type", None) != DeviceType.CUDA:
             continue
@@ -273,7 +288,10 @@ def breakdown(step: Callable, dev: torch.device, reps: int = 3) -> dict[str, flo
             continue
         st = stage_of(ev.key)
         out[st] = out.get(st, 0.0) + t / 1e3 / reps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        kernels.append((t / 1e3 / reps, ev.key))
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    out["top kernels"] = [(round(ms, 3), name[:90]) for ms, name in sorted(kernels, reverse=True)[:TOP_KERNELS]]
+    return out
 
 
 def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, dy: torch.Tensor,
@@ -306,7 +324,7 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
         act = activation_bytes(forward, x, dev)
         note = ""
         if isinstance(module, MoELayer):
-            note = f"fused op ran: {module.last_ran_fused}, params {args.mxmoe_params}"
+            note = f"fused op ran: {module.last_ran_fused}, params {str(param_dtype(variant, args))[6:]}"
         elif variant == "SonicMoE bf16":
             note = f"sonic-moe {_SONIC['version']}, QuACK configs: {_SONIC['configs']}"
         elif variant == "HF grouped_mm bf16":
@@ -363,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()  # the variant's module and graph, released with run_variant's frame
             harness.free_memory()
             print(f"  {variant:20s} {harness.fmt(res[variant]['ms'], '.2f')} ms  {res[variant]['note']}", flush=True)
-            if res[variant].get("stages_ms"):
-                print("    stages (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in res[variant]["stages_ms"].items()),
+            stages = res[variant].get("stages_ms")
+            if stages:
+                print("    stages (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items() if k != "top kernels"),
                       flush=True)
+                for ms, name in stages["top kernels"]:
+                    print(f"      {ms:8.3f} ms  {name}", flush=True)
         del x, dy
         harness.free_memory()
         flops = 18.0 * T * k * D * F
