@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             if stages:
                 print("    stages (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items() if k != "top kernels"),
                       flush=True)
-                for ms, name in stages["top kernels"]:
-                    print(f"      {ms:8.3f} ms  {name}", flush=True)
+                for kernel_ms, kernel in stages["top kernels"]:
+                    print(f"      {kernel_ms:8.3f} ms  {kernel}", flush=True)
         del x, dy
         harness.free_memory()
         flops = 18.0 * T * k * D * F

@@ -705,6 +705,10 @@ else:  # quantize_mx's and the fake quantizers' kernels, and dequantize_colwise'
                         {"ELEM": tk.ELEM_E4M3, "SOFT_CASTS": False, "BLOCK_R": d["tile"][0], "BLOCK_C": d["tile"][1],
                          "TRANS_OUT": True}, d["num_warps"])
     assert len(dq_t["cubin"]) > 0
+    from mxmoe.kernels import cast  # the weight-gradient widening cast: 16-byte vector loads and stores
+    widen = compile_sm90(cast._widen_kernel, {"src_ptr": "*bf16", "dst_ptr": "*fp32"}, {"BLOCK": cast.BLOCK},
+                         cast.NUM_WARPS)
+    assert "ld.global.v4" in widen["ptx"] and "st.global.v4" in widen["ptx"], "the cast is not vectorized"
 print(json.dumps({"ptx": ptx}))
 """
 

@@ -26,6 +26,11 @@ The rule (every choice gives the same bits; only speed and memory differ):
 3. The fused MXFP8 expert op (``mx_moe_experts``) and the MXFP8-saving combine run their
    Triton kernels where rule 1 picks Triton, pure torch otherwise; the MoE layer uses the
    fused op for bf16 activations unless rule 2a applies (:func:`mxmoe.nn.moe.runs_fused`).
+4. The widening of a bf16 weight gradient to float32 master weights
+   (:func:`use_triton_widen`): the Triton cast of :mod:`mxmoe.kernels.cast` where the
+   recipe's backend is not "reference" and rule 1 would run Triton on the tensor's device
+   ("auto": CUDA; "triton": CUDA or the interpreter), ``Tensor.to`` otherwise. Both give
+   the same bits (the cast is exact).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ TRITON_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
 TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = ["BACKENDS", "GroupedGemmBackend", "TRITON_DTYPES", "TRITON_FORMATS", "grouped_gemm_backend",
-           "use_native_mx_grouped_mm", "use_triton", "use_triton_for"]
+           "use_native_mx_grouped_mm", "use_triton", "use_triton_for", "use_triton_widen", "widen_weight_grad"]
 
 
 def use_triton(device: torch.device, dtype: torch.dtype, fmt: ElemFormat | str, block_size: int,
@@ -87,6 +92,31 @@ def use_triton_for(x: Tensor, recipe: Recipe, dtype: torch.dtype | None = None) 
     """Rule 1 for a tensor under a recipe: ``use_triton(x.device, dtype or x.dtype, recipe.fmt,
     recipe.block_size, recipe.backend)``."""
     return use_triton(x.device, x.dtype if dtype is None else dtype, recipe.fmt, recipe.block_size, recipe.backend)
+
+
+def use_triton_widen(x: Tensor, dtype: torch.dtype, recipe: Recipe) -> bool:
+    """Rule 4: whether ``x.to(dtype)`` runs the Triton widening cast. True for a contiguous
+    bfloat16 ``x`` cast to float32 where the recipe's backend is "auto" and x is
+    on a CUDA device, or "triton" (CUDA, or a CPU tensor under ``TRITON_INTERPRET=1``),
+    with Triton installed."""
+    if x.dtype != torch.bfloat16 or dtype != torch.float32 or not x.is_contiguous():
+        return False
+    if recipe.backend == "auto":
+        return x.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return recipe.backend == "triton" and importlib.util.find_spec("triton") is not None
+
+
+def widen_weight_grad(dw: Tensor, dtype: torch.dtype, recipe: Recipe) -> Tensor:
+    """A weight gradient in the parameters' dtype: ``dw.to(dtype)``, through the Triton
+    cast where :func:`use_triton_widen` says so (same bits, about twice the bandwidth of
+    ``Tensor.to`` on the H200). dw is returned as is when it has the dtype already."""
+    if dw.dtype == dtype:
+        return dw
+    if use_triton_widen(dw, dtype, recipe):
+        from ..kernels.cast import widen
+
+        return widen(dw, dtype)
+    return dw.to(dtype)
 
 
 def scaled_grouped_mm_api() -> str | None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
-from .backend import GroupedGemmBackend, grouped_gemm_backend
+from .backend import GroupedGemmBackend, grouped_gemm_backend, widen_weight_grad
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn
@@ -82,7 +82,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                 a_NL, b_KL, offs = fake_quantize_grouped_tokens_pair(dy_TN, x_TK, offsets_E, recipe, out_dtype=dtype)
             # the padded layout gives an empty expert a block of zeros: its dW comes out of the GEMM as 0
             padded = recipe.quantize and not recipe.wgrad_high_precision
-            dw = grouped_mm_tn(a_NL, b_KL, offs, nonempty_groups=padded).to(w_ENK.dtype)  # (N, L) x (K, L) -> (E, N, K)
+            dw = grouped_mm_tn(a_NL, b_KL, offs, nonempty_groups=padded)  # (N, L) x (K, L) -> (E, N, K)
+            dw = widen_weight_grad(dw, w_ENK.dtype, recipe)
         return dx, dw, None, None
 
 

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor
-from .backend import use_triton_for
+from .backend import use_triton_for, widen_weight_grad
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import (
@@ -206,7 +206,8 @@ class _MXExpertsFunction(torch.autograd.Function):
         k = A // T if T else 1
         order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
         dx_TD = sum_token_rows(dx_AD, order, k, ctx.x_dtype, recipe)
-        return dx_TD, dw13.to(w13.dtype), dw2.to(w2.dtype), None, None, None
+        return (dx_TD, widen_weight_grad(dw13, w13.dtype, recipe), widen_weight_grad(dw2, w2.dtype, recipe), None,
+                None, None)
 
 
 def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:

@@ -1,0 +1,60 @@
+"""The widening cast of mxmoe.kernels.cast (Triton; the interpreter on the CPU) and rule 4
+of mxmoe.ops.backend that picks it for weight gradients."""
+
+import pytest
+import torch
+
+from mxmoe.recipe import get_recipe
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytest.importorskip("triton")
+
+
+def test_widen_every_bf16_bit_pattern():
+    """Every bfloat16 bit pattern (NaN payloads, infs, subnormals, -0) widens to the float32
+    bits of Tensor.to; a 2-D shape; a length that is not a multiple of the block."""
+    from mxmoe.kernels.cast import BLOCK, widen
+
+    bits = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    assert x.numel() % BLOCK == 0
+    x = torch.cat([x, x[:123]]).to(DEV)  # a partial last block
+    assert torch.equal(widen(x, torch.float32).view(torch.int32).cpu(), x.to(torch.float32).view(torch.int32).cpu())
+    m = x[:1000].reshape(8, 125)
+    got = widen(m, torch.float32)
+    assert got.shape == (8, 125) and torch.equal(got.view(torch.int32).cpu(), m.to(torch.float32).view(torch.int32).cpu())
+    assert widen(torch.empty(0, 5, dtype=torch.bfloat16, device=DEV), torch.float32).shape == (0, 5)
+
+
+@pytest.mark.parametrize("src,dst,contiguous", [(torch.float32, torch.bfloat16, True),
+                                                (torch.bfloat16, torch.float16, True), (torch.float16, torch.float32, True),
+                                                (torch.float32, torch.float32, True),
+                                                (torch.bfloat16, torch.float32, False)])
+def test_widen_refuses_what_it_does_not_do(src, dst, contiguous):
+    """Narrowing or same-dtype casts and strided input are refused with a message that says
+    what it casts (rounding casts belong to Tensor.to)."""
+    from mxmoe.kernels.cast import widen
+
+    x = torch.zeros(4, 6, dtype=src, device=DEV)
+    if not contiguous:
+        x = x.t()
+    with pytest.raises(ValueError, match="widen"):
+        widen(x, dst)
+
+
+@pytest.mark.parametrize("backend,device_ok", [("reference", False), ("triton", True), ("auto", DEV == "cuda")])
+def test_weight_grad_widening_rule(backend, device_ok):
+    """Rule 4: the Triton cast for a contiguous bf16 gradient of float32 weights unless the
+    recipe's backend is "reference" ("auto": CUDA only); the same bits either way; a
+    gradient already in the weights' dtype is returned as is."""
+    from mxmoe.ops.backend import use_triton_widen, widen_weight_grad
+
+    r = get_recipe("mxfp8", backend=backend)
+    dw = torch.randn(3, 40, 33, device=DEV).to(torch.bfloat16)
+    assert use_triton_widen(dw, torch.float32, r) is device_ok
+    assert not use_triton_widen(dw.transpose(1, 2), torch.float32, r)  # strided: Tensor.to
+    assert not use_triton_widen(dw.float(), torch.float32, r)
+    assert not use_triton_widen(dw.half(), torch.float32, r)
+    assert torch.equal(widen_weight_grad(dw, torch.float32, r), dw.float())
+    same = dw.float()
+    assert widen_weight_grad(same, torch.float32, r) is same
