@@ -248,7 +248,7 @@ STAGES = (
     ("router", ("topk", "softmax", "sort", "bincount", "histc", "cumsum", "argsort", "radix")),
     ("gather/scatter/combine", ("gather", "scatter", "index", "combine", "permute", "zero_fill")),
     ("activation", ("silu", "swiglu", "glu", "mul_kernel", "sigmoid")),
-    ("casts/copies/elementwise", ("copy", "cast", "elementwise", "fill", "add", "vectorized")),
+    ("casts/copies/elementwise", ("copy", "cast", "widen", "elementwise", "fill", "add", "vectorized")),
 )
 
 
