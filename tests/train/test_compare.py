@@ -346,6 +346,22 @@ def test_h200_preset_is_the_issues_model():
     assert f"{params['total'] / 1e6:.1f}M parameters" in text and f"{params['active'] / 1e6:.1f}M active" in text
 
 
+def test_fine_grained_preset_is_many_narrow_top8_experts_and_documented():
+    """h200-fine: 64-128 experts of width 256-512, top-8, the h200 run settings; docs/TRAINING.md
+    states the parameter counts it really has."""
+    args, _ = preset_args(["train", "--preset", "h200-fine"])
+    cfg = config_from_args(args, 256)
+    m = cfg.model
+    with torch.device("meta"):
+        params = MoETransformer(m, "bf16").num_params()
+    assert 64 <= m.n_experts <= 128 and 256 <= m.d_expert <= 512 and m.top_k == 8
+    assert {k: v for k, v in PRESETS["h200-fine"].items() if k not in ("experts", "top_k", "expert_width")} == \
+        {k: v for k, v in PRESETS["h200"].items() if k not in ("experts", "top_k", "expert_width")}
+    text = (README.parent / "docs" / "TRAINING.md").read_text()
+    assert "`h200-fine`" in text
+    assert f"{params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active" in text
+
+
 def test_explicit_flags_override_the_preset_even_at_their_default_value():
     args, overridden = preset_args(["compare", "--preset", "h200", "--steps", "300", "--layers", "4"])
     assert (args.steps, args.layers) == (300, 4)  # 4 is also the default of --layers: still given

@@ -15,6 +15,13 @@ Presets (keys are argparse destinations, i.e. flag names with ``-`` -> ``_``):
   tokens (32.8M tokens), lr 1e-3 after 100 warmup steps, evaluation every 250 steps on 4
   batches per split, a checkpoint (2.5 GB with the AdamW state) every 1000 steps. Sized so
   that one recipe's 2000 steps fit in a 10-minute command on one H200.
+- ``h200-fine``: the same comparison for a fine-grained MoE (the shape of DeepSeek-V3 and
+  Qwen3-MoE blocks: many narrow experts, top-8). 8 blocks, width 512, 8 heads, 64 SwiGLU
+  experts of width 256 per block, top-8 routing: 210.2M parameters in total, 34.1M active
+  per token, 216 MFLOP of training per token at 512 tokens per sequence; the run settings
+  of ``h200``. Each token's rows go to 8 experts, so the routed rows per step are 4 x
+  ``h200``'s: the layer's dispatch, quantizers and grouped GEMMs at many experts are what
+  it compares.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "batch_size": 32, "seq_len": 512, "steps": 2000, "lr": 1e-3, "warmup_steps": 100,
         "eval_interval": 250, "eval_batches": 4, "ckpt_interval": 1000,
     },
+    "h200-fine": {
+        "layers": 8, "width": 512, "heads": 8, "experts": 64, "top_k": 8, "expert_width": 256,
+        "batch_size": 32, "seq_len": 512, "steps": 2000, "lr": 1e-3, "warmup_steps": 100,
+        "eval_interval": 250, "eval_batches": 4, "ckpt_interval": 1000,
+    },
 }
 
 
@@ -36,7 +48,8 @@ def add_preset_argument(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("preset")
     g.add_argument("--preset", default=None, choices=list(PRESETS),
                    help="named settings (h200: a 210M-parameter MoE, 32 experts top-2, 2000 steps of "
-                        "32 x 512 tokens, see docs/TRAINING.md, 'Presets'); flags given explicitly override the preset's values")
+                        "32 x 512 tokens; h200-fine: the same size with 64 experts of width 256, top-8; see "
+                        "docs/TRAINING.md, 'Presets'); flags given explicitly override the preset's values")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
