@@ -1,0 +1,378 @@
+"""mxmoe inside Hugging Face transformers MoE models: experts backends and model conversion.
+
+transformers (5.17 to 5.x) routes the expert computation of every MoE block whose experts
+class carries ``@use_experts_implementation`` through ``ExpertsInterface``: the block
+calls ``experts_forward(experts, hidden_states_TD, top_k_index_Tk, top_k_weights_Tk)``
+with the function registered under ``config._experts_implementation``. :func:`register`
+adds one such function per mxmoe recipe (:data:`BACKENDS`):
+
+    "mxfp8"             recipe mxfp8        (E4M3, rceil scales)
+    "mxfp8-floor"       recipe mxfp8-floor  (OCP floor scales)
+    "mxfp8-bf16-wgrad"  recipe mxfp8-bf16-wgrad
+    "mxmoe_bf16"        recipe bf16         (mxmoe's bf16 GEMMs; the name avoids transformers' own)
+
+after which ``model.set_experts_implementation("mxfp8")`` or
+``from_pretrained(..., experts_implementation="mxfp8")`` selects it, and
+:func:`convert_model` (what ``mxmoe.convert_to_mxfp8`` calls for a transformers model)
+also converts the attention and dense projections.
+
+The experts module holds (legend: T tokens, D hidden size, F expert width, E experts, k
+top-k, A = T * k routed rows):
+
+    gate_up_proj  (E, 2F, D), or (E, D, 2F) when ``is_transposed``; [gate; up] along 2F
+                  when ``is_concatenated``, gate and up interleaved (g0, u0, g1, ...) otherwise
+    up_proj       instead of gate_up_proj when ``has_gate`` is False: (E, F, D) / (E, D, F)
+    down_proj     (E, D, F), or (E, F, D) when ``is_transposed``
+    gate_up_proj_bias (E, 2F), down_proj_bias (E, D) when ``has_bias``
+    act_fn, _apply_gate(h_A2F) -> (A, F): the family's activation (default act_fn(gate) * up)
+
+Each block's parameters are read in place at every call (a transposed layout is passed as
+a transposed view; the recipe makes its per-call quantized copies, or one per optimizer
+step inside :func:`mxmoe.weight_copy_cache`); nothing is copied between steps.
+
+Two paths, each exact for the families it takes:
+
+- **fused**: gated SwiGLU experts (``act_fn`` SiLU, transformers' default ``_apply_gate``,
+  [gate; up] concatenated, no biases: Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE, ...)
+  run :func:`mxmoe.nn.moe.routed_experts`, the path of :class:`mxmoe.nn.GroupedExperts`:
+  the fused MXFP8 expert op :func:`mxmoe.mx_moe_experts` for bf16 activations under
+  ``mxfp8`` / ``mxfp8-floor`` with D and F multiples of 32, else two
+  :func:`mxmoe.mx_grouped_mm` and SiLU(gate) * up in the activation dtype.
+- **composed**: every other layout and activation the interface describes (biases,
+  interleaved gate/up, clamped SwiGLU such as gpt-oss or DeepSeek-V4, GELU, non-gated
+  experts): both GEMMs through :func:`mxmoe.mx_grouped_mm` under the recipe, the biases
+  added to the GEMM results, and the block's own ``_apply_gate`` / ``act_fn`` between
+  them, as transformers' ``grouped_mm`` backend computes it.
+
+Both sort the assignments by expert (stable), and the combine sums each token's k
+weighted outputs in a fixed order (deterministic). Refused (ValueError at selection by
+:func:`convert_model` / :func:`check_experts`, else at the block's first forward): expert
+weights that are not floating point (pre-quantized FP8 checkpoints: load them
+dequantized), expert-parallel sentinel indices (>= E). MoE families whose experts do not
+go through the interface (DBRX, JetMoE, Llama 4, Switch Transformers, ...) are refused
+by :func:`convert_model`, naming the family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import Tensor, nn
+from transformers.integrations.moe import ExpertsInterface
+
+from ..nn.convert import ModuleFilter
+from ..nn.convert import convert_to_mxfp8 as convert_module
+from ..nn.moe import routed_experts, tokens_per_expert
+from ..ops import mx_grouped_mm
+from ..ops.combine import combine_weighted
+from ..ops.moe_experts import supports_fused_experts
+from ..recipe import Recipe, get_recipe
+
+try:  # the default gate of the interface (act_fn(gate) * up on [gate; up]); private in transformers
+    from transformers.integrations.moe import _default_apply_gate
+except ImportError:  # a later release renamed it: every family then takes the composed path (exact)
+    _default_apply_gate = None
+
+TESTED_VERSIONS = ">=5.17,<6"
+"""The transformers versions this module is tested with (the ``hf`` extra's range)."""
+
+BACKENDS: dict[str, str] = {
+    "mxfp8": "mxfp8",
+    "mxfp8-floor": "mxfp8-floor",
+    "mxfp8-bf16-wgrad": "mxfp8-bf16-wgrad",
+    "mxmoe_bf16": "bf16",
+}
+"""Experts implementation name -> mxmoe recipe name."""
+
+_BACKEND_OF_RECIPE = {recipe: name for name, recipe in BACKENDS.items()}
+
+_CONFIG_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "ffn_config")
+"""Config attributes by which an MoE model that bypasses the interface is recognized."""
+
+_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+"""Last name components of the modules kept in high precision by default besides the LM head."""
+
+
+def backend_name(recipe: Recipe | str) -> str:
+    """The experts implementation name of an mxmoe recipe ("mxfp8" -> "mxfp8", "bf16" ->
+    "mxmoe_bf16").
+
+    Raises:
+        ValueError: a recipe with no registered backend (a :class:`Recipe` with overridden
+            fields: only the named recipes are registered).
+    """
+    recipe = get_recipe(recipe)
+    if recipe != get_recipe(recipe.name) or recipe.name not in _BACKEND_OF_RECIPE:
+        raise ValueError(f"recipe {recipe!r} has no experts backend; use one of the named recipes "
+                         f"{', '.join(map(repr, _BACKEND_OF_RECIPE))}")
+    return _BACKEND_OF_RECIPE[recipe.name]
+
+
+def family(module: nn.Module) -> str:
+    """The model type a module belongs to ("qwen3_moe", ...), from its config, else its
+    class name."""
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None) or type(module).__name__
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How one experts module stores and computes its experts (read from the attributes
+    ``@use_experts_implementation`` sets).
+
+    Attributes:
+        has_gate, has_bias, is_transposed, is_concatenated: the decorator's flags.
+        swiglu: act_fn is SiLU and ``_apply_gate`` is transformers' default, so the gate is
+            SiLU(gate) * up on [gate; up] (with ``is_concatenated``): mxmoe's SwiGLU.
+    """
+
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+    swiglu: bool
+
+    @property
+    def fused(self) -> bool:
+        """Whether the block runs mxmoe's SwiGLU expert path (:func:`routed_experts`)."""
+        return self.has_gate and self.swiglu and self.is_concatenated and not self.has_bias
+
+
+def _is_silu(act_fn: object) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act_fn, (nn.SiLU, SiLUActivation)) or act_fn is F.silu
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of the interface (its class carries
+    ``@use_experts_implementation``)."""
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "config")) and hasattr(
+        module, "down_proj")
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout:
+    """The :class:`ExpertsLayout` of an experts module.
+
+    Raises:
+        ValueError: not an experts module of the interface, or its weights are not 3-D
+            floating-point parameters (the message names the family and what would work).
+    """
+    if not is_experts_module(module):
+        raise ValueError(f"{type(module).__name__} is not an experts module of transformers' ExpertsInterface "
+                         f"(no @use_experts_implementation): mxmoe's experts backends cannot run it")
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    for name in (up_name, "down_proj"):
+        w = getattr(module, name, None)
+        if not isinstance(w, Tensor) or w.dim() != 3 or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            what = "missing" if not isinstance(w, Tensor) else f"{w.dtype}, shape {tuple(w.shape)}"
+            raise ValueError(f"{family(module)}: {type(module).__name__}.{name} is {what}; mxmoe's experts backends "
+                             f"take (E, N, K) float32/bfloat16/float16 weights (load a quantized checkpoint "
+                             f"dequantized, or keep experts_implementation='grouped_mm')")
+    cls_gate = getattr(type(module), "_apply_gate", None)
+    default_gate = _default_apply_gate is not None and cls_gate is _default_apply_gate
+    swiglu = default_gate and _is_silu(getattr(module, "act_fn", None))
+    return ExpertsLayout(bool(module.has_gate), bool(module.has_bias), bool(module.is_transposed),
+                         bool(getattr(module, "is_concatenated", True)), swiglu)
+
+
+def _weight_ENK(w: Tensor, transposed: bool) -> Tensor:
+    """An expert weight as (E, N, K) (out, in), a transposed view if it is stored (E, K, N)."""
+    return w.transpose(1, 2) if transposed else w
+
+
+def _composed(module: nn.Module, layout: ExpertsLayout, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor,
+              recipe: Recipe) -> Tensor:
+    """The interface's grouped computation with mxmoe's GEMMs: sort by expert, up GEMM
+    (+ bias), the block's gate or activation, down GEMM (+ bias), weighted combine."""
+    k = experts_Tk.shape[1]
+    E = module.num_experts
+    experts_A = experts_Tk.reshape(-1)
+    order_A = torch.argsort(experts_A, stable=True)
+    offsets_E = torch.cumsum(tokens_per_expert(experts_A, E), 0).to(torch.int32)
+    x_AD = x_TD.index_select(0, order_A // k)  # gather; backward scatters a permutation
+    w_up = module.gate_up_proj if layout.has_gate else module.up_proj
+    h = mx_grouped_mm(x_AD, _weight_ENK(w_up, layout.is_transposed), offsets_E, recipe)  # (A, D) -> (A, 2F or F)
+    if layout.has_bias:
+        experts_sorted_A = experts_A.index_select(0, order_A)
+        bias = module.gate_up_proj_bias if layout.has_gate else module.up_proj_bias
+        h = (h + bias.index_select(0, experts_sorted_A)).to(h.dtype)
+    h = module._apply_gate(h) if layout.has_gate else module.act_fn(h)  # (A, F)
+    y = mx_grouped_mm(h.to(x_TD.dtype), _weight_ENK(module.down_proj, layout.is_transposed), offsets_E, recipe)
+    if layout.has_bias:
+        y = (y + module.down_proj_bias.index_select(0, experts_sorted_A)).to(y.dtype)
+    return combine_weighted(y, order_A, weights_Tk)
+
+
+def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                    recipe: Recipe | str) -> Tensor:
+    """One MoE block's experts under ``recipe``: the function each registered backend calls.
+
+    Args:
+        module: the block's experts module (its parameters are read in place).
+        hidden_states: (T, D) float32/bfloat16/float16 activations.
+        top_k_index: (T, k) int64 expert of each choice, in [0, E).
+        top_k_weights: (T, k) floating combine weights (as the block's router gives them).
+        recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
+
+    Returns:
+        (T, D) in hidden_states' dtype: sum over j of weights[t, j] * expert(x[t]).
+
+    Raises:
+        ValueError: as :func:`experts_layout`; on the CPU an expert index outside [0, E)
+            (transformers' expert-parallel sentinels are not supported).
+    """
+    recipe = get_recipe(recipe)
+    layout = experts_layout(module)
+    if top_k_index.device.type == "cpu" and top_k_index.numel():
+        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        if lo < 0 or hi >= module.num_experts:
+            raise ValueError(f"{family(module)}: expert indices must be in [0, {module.num_experts}), got values in "
+                             f"[{lo}, {hi}]: expert-parallel sentinels are not supported by mxmoe's backends")
+    x_TD = hidden_states
+    if layout.fused:
+        w13_E2FD = _weight_ENK(module.gate_up_proj, layout.is_transposed)  # (E, 2F, D) = [gate; up]
+        w2_EDF = _weight_ENK(module.down_proj, layout.is_transposed)  # (E, D, F)
+        fused = supports_fused_experts(w13_E2FD.shape[2], w2_EDF.shape[2], recipe)
+        y_TD, _, _ = routed_experts(x_TD, top_k_index, top_k_weights, w13_E2FD, w2_EDF, recipe, fused)
+    else:
+        y_TD = _composed(module, layout, x_TD, top_k_index, top_k_weights, recipe)
+    return y_TD.to(hidden_states.dtype)
+
+
+def _make_backend(recipe_name: str) -> Callable[..., Tensor]:
+    recipe = get_recipe(recipe_name)
+
+    def forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights, recipe)
+
+    forward.__name__ = f"mxmoe_{recipe_name.replace('-', '_')}_experts_forward"
+    forward.__qualname__ = forward.__name__
+    forward.__doc__ = f"transformers experts backend: the block's experts under mxmoe recipe {recipe_name!r}."
+    forward._mxmoe_recipe = recipe_name
+    return forward
+
+
+_BACKEND_FUNCTIONS = {name: _make_backend(recipe) for name, recipe in BACKENDS.items()}
+
+
+def register() -> tuple[str, ...]:
+    """Register mxmoe's experts backends (:data:`BACKENDS`) in transformers'
+    ``ExpertsInterface``, so that ``experts_implementation="mxfp8"`` (or another name)
+    selects them. Idempotent: registering again changes nothing. Returns the names.
+
+    Raises:
+        ValueError: one of the names is already registered by another library.
+    """
+    mapping = ExpertsInterface._global_mapping
+    for name, fn in _BACKEND_FUNCTIONS.items():
+        other = mapping.get(name)
+        if other is not None and other is not fn:
+            raise ValueError(f"experts implementation {name!r} is already registered ({other!r}); mxmoe's "
+                             f"backends need the names {', '.join(map(repr, BACKENDS))}")
+    for name, fn in _BACKEND_FUNCTIONS.items():
+        ExpertsInterface.register(name, fn)
+    return tuple(BACKENDS)
+
+
+def check_experts(model: nn.Module) -> list[tuple[str, ExpertsLayout]]:
+    """Check that mxmoe's backends can run every MoE block of a transformers model.
+
+    Returns:
+        (name, :class:`ExpertsLayout`) of each experts module, in ``named_modules`` order.
+
+    Raises:
+        ValueError: an experts module the backends refuse (:func:`experts_layout`), or an
+            MoE model whose experts do not go through the interface (the message names
+            the family and what to use instead).
+    """
+    found = [(name, experts_layout(m)) for name, m in model.named_modules() if is_experts_module(m)]
+    if not found:
+        config = getattr(model, "config", None)
+        counts = [getattr(config, a, None) for a in _CONFIG_EXPERT_COUNTS]
+        if any(c for c in counts if not isinstance(c, bool)):
+            raise ValueError(f"{getattr(config, 'model_type', type(model).__name__)}: this family's MoE experts do not go "
+                             f"through transformers' ExpertsInterface, so mxmoe cannot run them; convert only its "
+                             f"linear layers with convert_to_mxfp8(model, experts=False), or build the model with "
+                             f"mxmoe.nn.MoE blocks")
+    return found
+
+
+def default_module_filter(model: nn.Module) -> ModuleFilter:
+    """The default ``module_filter_fn`` of :func:`convert_model`: False (kept in high
+    precision) for the LM head (the output embeddings, and any module named ``lm_head``)
+    and the routers (a module whose last name is one of ``gate``, ``router``,
+    ``shared_expert_gate``); True for the rest (attention and dense projections)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def keep_others(module: nn.Module, fqn: str) -> bool:
+        last = fqn.rsplit(".", 1)[-1]
+        return module is not head and last != "lm_head" and last not in _ROUTER_NAMES
+
+    return keep_others
+
+
+def convert_model(model: nn.Module, recipe: Recipe | str = "mxfp8", module_filter_fn: ModuleFilter | None = None,
+                  *, experts: bool = True) -> nn.Module:
+    """Run a transformers model's GEMMs under an MXFP8 recipe, in place.
+
+    - Every ``nn.Linear`` with in and out features multiples of 32 that
+      ``module_filter_fn`` keeps becomes an :class:`~mxmoe.nn.MXLinear` holding the same
+      Parameters (:func:`mxmoe.nn.convert_to_mxfp8`); by default
+      (:func:`default_module_filter`) the LM head and routers stay in high precision, and
+      embeddings and norms are not linear layers.
+    - With ``experts``: the experts backend of the recipe (:func:`backend_name`) is
+      registered and set with ``model.set_experts_implementation``, after
+      :func:`check_experts` accepted every block.
+
+    State dict keys and values are unchanged: ``save_pretrained`` writes the same tensors,
+    and the checkpoint loads into an unconverted model. Call it before ``torch.compile``,
+    DDP or FSDP, and before building the optimizer (or keep it: the Parameters are the same).
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        recipe: a named :class:`~mxmoe.recipe.Recipe` or its name.
+        module_filter_fn: ``(module, fqn) -> bool``, True converts; None is
+            :func:`default_module_filter`.
+        experts: set the experts backend (False: linear layers only).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: unknown recipe, a recipe with no backend, an MoE family or experts
+            module the backends refuse (all before anything is changed).
+        TypeError: ``model`` is not a transformers PreTrainedModel.
+    """
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"convert_model takes a transformers PreTrainedModel, got {type(model).__name__}; "
+                        f"use mxmoe.nn.convert_to_mxfp8 for other modules")
+    recipe = get_recipe(recipe)
+    name = backend_name(recipe) if experts else None
+    if experts:
+        check_experts(model)
+        register()
+    convert_module(model, recipe, default_module_filter(model) if module_filter_fn is None else module_filter_fn)
+    if name is not None:
+        model.set_experts_implementation(name)
+    return model
+
+
+__all__ = [
+    "BACKENDS",
+    "TESTED_VERSIONS",
+    "ExpertsLayout",
+    "backend_name",
+    "check_experts",
+    "convert_model",
+    "default_module_filter",
+    "experts_forward",
+    "experts_layout",
+    "family",
+    "is_experts_module",
+    "register",
+]
