@@ -247,6 +247,9 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
 def _make_backend(recipe_name: str) -> Callable[..., Tensor]:
     recipe = get_recipe(recipe_name)
 
+    # one eager region under torch.compile: mxmoe's autograd ops run eagerly anyway (note at
+    # mxmoe.ops.grouped_mm._apply), and the index check reads the host
+    @torch.compiler.disable
     def forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, recipe)
 
