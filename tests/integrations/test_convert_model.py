@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM
 
 import mxmoe
 from mxmoe import MXLinear
-from mxmoe.integrations.transformers import BACKENDS, backend_name, check_experts, experts_layout, register
+from mxmoe.integrations.transformers import (
+    BACKENDS,
+    backend_name,
+    check_experts,
+    experts_layout,
+    register,
+)
 
 
 def _state(model) -> dict[str, torch.Tensor]:
