@@ -4,6 +4,8 @@ module imports its library when it is imported itself, so mxmoe works without th
 - :mod:`mxmoe.integrations.transformers`: MXFP8 experts backends for Hugging Face
   transformers MoE models (``experts_implementation="mxfp8"``) and
   :func:`~mxmoe.integrations.transformers.convert_model` (needs ``pip install "mxmoe[hf]"``).
+- the trainer's builder of transformers models (``ModelConfig.hf_config``, ``mxmoe train
+  --hf-config``), registered with :func:`mxmoe.models.register_builder` on import.
 - :func:`convert_to_mxfp8`: the package-level ``mxmoe.convert_to_mxfp8``; a transformers
   model goes to :func:`mxmoe.integrations.transformers.convert_model`, any other model to
   :func:`mxmoe.nn.convert_to_mxfp8`.
@@ -15,6 +17,7 @@ import sys
 
 from torch import nn
 
+from ..models import ModelConfig, register_builder
 from ..nn.convert import ModuleFilter
 from ..nn.convert import convert_to_mxfp8 as convert_module
 from ..recipe import Recipe
@@ -48,5 +51,14 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8", module_fi
                         f"{type(model).__name__} takes recipe and module_filter_fn")
     return convert_module(model, recipe, module_filter_fn)
 
+
+def _build_transformers_model(cfg: ModelConfig, recipe: Recipe) -> nn.Module:
+    """The trainer's builder for ``ModelConfig.hf_config`` (imports transformers only now)."""
+    from .transformers import build_causal_lm
+
+    return build_causal_lm(cfg, recipe)
+
+
+register_builder("transformers", _build_transformers_model)
 
 __all__ = ["convert_to_mxfp8", "is_transformers_model"]

@@ -55,8 +55,11 @@ by :func:`convert_model`, naming the family.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +67,7 @@ import transformers
 from torch import Tensor, nn
 from transformers.integrations.moe import ExpertsInterface
 
+from ..models import LMOutput, ModelConfig
 from ..nn.convert import ModuleFilter
 from ..nn.convert import convert_to_mxfp8 as convert_module
 from ..nn.moe import routed_experts, tokens_per_expert
@@ -99,14 +103,16 @@ _ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 def backend_name(recipe: Recipe | str) -> str:
     """The experts implementation name of an mxmoe recipe ("mxfp8" -> "mxfp8", "bf16" ->
-    "mxmoe_bf16").
+    "mxmoe_bf16"). The recipe's quantizer ``backend`` is not part of the choice: the
+    registered backends run "auto", and every quantizer backend gives the same bits.
 
     Raises:
         ValueError: a recipe with no registered backend (a :class:`Recipe` with overridden
             fields: only the named recipes are registered).
     """
     recipe = get_recipe(recipe)
-    if recipe != get_recipe(recipe.name) or recipe.name not in _BACKEND_OF_RECIPE:
+    # the quantizer backend changes speed only (every backend gives the same bits): ignored
+    if recipe.name not in _BACKEND_OF_RECIPE or dataclasses.replace(recipe, backend="auto") != get_recipe(recipe.name):
         raise ValueError(f"recipe {recipe!r} has no experts backend; use one of the named recipes "
                          f"{', '.join(map(repr, _BACKEND_OF_RECIPE))}")
     return _BACKEND_OF_RECIPE[recipe.name]
@@ -298,11 +304,14 @@ def check_experts(model: nn.Module) -> list[tuple[str, ExpertsLayout]]:
         config = getattr(model, "config", None)
         counts = [getattr(config, a, None) for a in _CONFIG_EXPERT_COUNTS]
         if any(c for c in counts if not isinstance(c, bool)):
-            raise ValueError(f"{getattr(config, 'model_type', type(model).__name__)}: this family's MoE experts do not go "
-                             f"through transformers' ExpertsInterface, so mxmoe cannot run them; convert only its "
-                             f"linear layers with convert_to_mxfp8(model, experts=False), or build the model with "
-                             f"mxmoe.nn.MoE blocks")
+            raise ValueError(_outside_interface_message(getattr(config, "model_type", type(model).__name__)))
     return found
+
+
+def _outside_interface_message(model_type: str) -> str:
+    return (f"{model_type}: this family's MoE experts do not go through transformers' ExpertsInterface, so mxmoe "
+            f"cannot run them; convert only its linear layers with convert_to_mxfp8(model, experts=False), or build "
+            f"the model with mxmoe.nn.MoE blocks")
 
 
 def default_module_filter(model: nn.Module) -> ModuleFilter:
@@ -365,17 +374,214 @@ def convert_model(model: nn.Module, recipe: Recipe | str = "mxfp8", module_filte
     return model
 
 
+# ---- training a transformers model with mxmoe's trainer (mxmoe train --hf-config) ----------
+
+_SIZE_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "d_model": ("hidden_size",),
+    "n_layers": ("num_hidden_layers",),
+    "n_heads": ("num_attention_heads",),
+    "n_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "top_k": ("num_experts_per_tok",),
+    "d_expert": ("moe_intermediate_size", "intermediate_size"),
+    "max_seq_len": ("max_position_embeddings",),
+}
+"""ModelConfig field -> the transformers config attributes that hold it, first match wins."""
+
+
+def _size_attr(config, field: str) -> str | None:
+    return next((a for a in _SIZE_KEYS[field] if getattr(config, a, None) is not None), None)
+
+
+def hf_config_dict(spec: str, sizes: dict[str, int] | None = None, min_positions: int = 0,
+                   min_vocab: int = 0) -> dict:
+    """The transformers config named by ``spec``, as a dict (``to_dict()``).
+
+    Args:
+        spec: a config.json file, a directory holding one, or a transformers model type
+            ("qwen3_moe", "mixtral", "deepseek_v3", ...: its default config).
+        sizes: ModelConfig size fields to write into the config (``d_model``, ``n_layers``,
+            ``n_heads``, ``n_experts``, ``top_k``, ``d_expert``, ``vocab_size``), each into
+            the attribute of :data:`_SIZE_KEYS` the config has; ``n_heads`` also sets
+            ``head_dim`` = d_model / n_heads where the config has one, and the KV heads to
+            n_heads where they no longer divide it.
+        min_positions: raise ``max_position_embeddings`` to at least this (the sequence length).
+        min_vocab: raise ``vocab_size`` to at least this (the corpus's).
+
+    Raises:
+        FileNotFoundError: ``spec`` looks like a path (ends in .json or holds a /) that does
+            not exist. ValueError: an unknown model type, a file that is not a config.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        d = json.loads(path.read_text())
+        model_type = d.pop("model_type", None) if isinstance(d, dict) else None
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"{str(path)!r} is not a transformers config.json (model_type {model_type!r})")
+        config = AutoConfig.for_model(model_type, **d)
+    elif spec.endswith(".json") or "/" in spec:
+        raise FileNotFoundError(f"--hf-config {spec!r}: no such config file")
+    elif spec in CONFIG_MAPPING:
+        config = AutoConfig.for_model(spec)
+    else:
+        raise ValueError(f"--hf-config {spec!r} is neither a config.json nor a transformers model type; "
+                         f"use e.g. qwen3_moe, mixtral or deepseek_v3")
+    if _size_attr(config, "n_experts") is None:
+        raise ValueError(f"{config.model_type} is not an MoE model (its config has none of "
+                         f"{', '.join(_SIZE_KEYS['n_experts'])}); --hf-config trains MoE models")
+    for field, value in (sizes or {}).items():
+        attr = _size_attr(config, field)
+        if attr is None:
+            raise ValueError(f"{config.model_type} config has none of {_SIZE_KEYS[field]} for {field}")
+        setattr(config, attr, value)
+    if sizes and "n_heads" in sizes:
+        heads = sizes["n_heads"]
+        if getattr(config, "head_dim", None) is not None:
+            config.head_dim = config.hidden_size // heads
+        kv = getattr(config, "num_key_value_heads", None)
+        if kv is not None and heads % kv:
+            config.num_key_value_heads = heads
+    config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, min_positions)
+    config.vocab_size = max(config.vocab_size, min_vocab)
+    return config.to_dict()
+
+
+def model_config_from_hf(hf: dict, **fields) -> ModelConfig:
+    """A :class:`~mxmoe.models.ModelConfig` holding ``hf`` (``hf_config``), its size fields
+    read back from it (for reports and checks); ``fields`` set the others (``quantized``,
+    ``dtype``, ``aux_loss_coef``, ...)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**hf)
+    sizes = {}
+    for field in _SIZE_KEYS:
+        attr = _size_attr(config, field)
+        if attr is not None:
+            sizes[field] = int(getattr(config, attr))
+    if "n_experts" not in sizes:
+        raise ValueError(f"{config.model_type} is not an MoE model (no {_SIZE_KEYS['n_experts']} in its config)")
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None:
+        raise ValueError(f"{config.model_type} has no causal LM class in transformers; --hf-config trains causal LMs")
+    if not cls._can_set_experts_implementation():
+        raise ValueError(_outside_interface_message(config.model_type))
+    return ModelConfig(**sizes, **fields, hf_config=hf)
+
+
+class TransformersCausalLM(nn.Module):
+    """A transformers causal LM behind the interface of :class:`~mxmoe.models.MoETransformer`
+    (what the trainer, evaluation and ``mxmoe compare`` call).
+
+    Built by :func:`build_causal_lm`. Parameters (state_dict keys ``model.<transformers key>``)
+    are in ``cfg.dtype`` (bf16 by default, as transformers models train; mxmoe's own model
+    keeps float32 master weights). Forward: ``idx`` (B, S) int64 -> :class:`~mxmoe.models.LMOutput`:
+    float32 logits, cross entropy against ``targets`` (B, S) (already shifted, as the trainer's
+    batches are), the family's load-balancing loss (``output_router_logits``; 0 for families
+    without one, such as DeepSeek-V3) weighted by ``cfg.aux_loss_coef``, z loss 0, and the
+    tokens per expert of every MoE block (from the routing each experts module receives).
+    """
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig):
+        super().__init__()
+        self.model, self.cfg = model, cfg
+        self._experts = [m for m in model.modules() if is_experts_module(m)]
+        self._counts: list[Tensor] = []
+        for m in self._experts:
+            m.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args: tuple) -> None:
+        if len(args) >= 2 and isinstance(args[1], Tensor):
+            self._counts.append(tokens_per_expert(args[1].detach(), module.num_experts))
+
+    def num_params(self) -> dict[str, int]:
+        """Parameter counts: total, and active per token (top-k of each block's experts)."""
+        total = sum(p.numel() for p in self.parameters())
+        expert = sum(p.numel() for m in self._experts for p in m.parameters(recurse=False))
+        active = total - expert + expert * self.cfg.top_k // self.cfg.n_experts
+        return {"total": total, "active": active}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, as :meth:`~mxmoe.models.MoETransformer.flops_per_token`
+        counts them (6 x active matmul parameters without the input embedding, plus causal
+        attention 6 * n_layers * S * D)."""
+        embed = self.model.get_input_embeddings().weight.numel()
+        return 6.0 * (self.num_params()["active"] - embed) + 6.0 * self.cfg.n_layers * seq_len * self.cfg.d_model
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> LMOutput:
+        """idx (B, S) int64 -> :class:`~mxmoe.models.LMOutput` (class docstring)."""
+        self._counts = []
+        out = self.model(input_ids=idx, output_router_logits=True, use_cache=False)
+        logits = out.logits.float()
+        zero = torch.zeros((), device=idx.device)
+        aux = getattr(out, "aux_loss", None)
+        aux = zero if aux is None else aux.float()
+        loss = ce = None
+        if targets is not None:
+            B, S = idx.shape
+            ce = F.cross_entropy(logits.view(B * S, -1), targets.reshape(-1))
+            loss = ce + self.cfg.aux_loss_coef * aux
+        return LMOutput(logits, loss, ce, aux, zero, list(self._counts))
+
+
+def _quantized_filter(model: nn.Module, quantized: tuple[str, ...]) -> ModuleFilter:
+    """convert's module filter for ModelConfig.quantized: "attention" (modules under a
+    ``self_attn``), "dense" (other linear layers but routers), "lm_head"."""
+    head = model.get_output_embeddings()
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if module is head or fqn.rsplit(".", 1)[-1] == "lm_head":
+            return "lm_head" in quantized
+        if fqn.rsplit(".", 1)[-1] in _ROUTER_NAMES:
+            return False
+        return ("attention" if ".self_attn." in f".{fqn}." else "dense") in quantized
+
+    return keep
+
+
+def build_causal_lm(cfg: ModelConfig, recipe: Recipe | str) -> TransformersCausalLM:
+    """The trainer's model for ``cfg.hf_config``: ``AutoModelForCausalLM.from_config`` (random
+    init from torch's current seed), parameters in ``cfg.dtype``, converted by
+    :func:`convert_model` with ``recipe`` for the GEMMs in ``cfg.quantized`` (the experts
+    backend of the recipe if "experts" is listed, else ``mxmoe_bf16``).
+
+    Raises:
+        ValueError: ``cfg.hf_config`` is None, or as :func:`convert_model`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.hf_config is None:
+        raise ValueError("build_causal_lm needs a ModelConfig with hf_config (a transformers config dict)")
+    recipe = get_recipe(recipe)
+    config = AutoConfig.for_model(**cfg.hf_config)
+    model = AutoModelForCausalLM.from_config(config).to(cfg.torch_dtype)
+    convert_model(model, recipe, _quantized_filter(model, cfg.quantized), experts=False)
+    check_experts(model)
+    register()
+    model.set_experts_implementation(backend_name(recipe) if "experts" in cfg.quantized else "mxmoe_bf16")
+    return TransformersCausalLM(model, cfg)
+
+
 __all__ = [
     "BACKENDS",
     "TESTED_VERSIONS",
     "ExpertsLayout",
+    "TransformersCausalLM",
     "backend_name",
+    "build_causal_lm",
     "check_experts",
     "convert_model",
     "default_module_filter",
     "experts_forward",
     "experts_layout",
     "family",
+    "hf_config_dict",
     "is_experts_module",
+    "model_config_from_hf",
     "register",
 ]
