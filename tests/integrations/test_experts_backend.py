@@ -136,6 +136,31 @@ def test_mxfp8_backend_against_transformers_float32(family, monkeypatch):
     assert set(floors) == set(measured)
 
 
+def test_float32_parameters_under_autocast_run_the_fused_op(monkeypatch):
+    """float32 parameters under bf16 autocast: the experts take bf16 activations (the fused
+    op), return float32, and give the bf16 run's SQNR against the float32 reference."""
+    import mxmoe.nn.moe
+
+    fused_calls = []
+    fused_op = mxmoe.nn.moe.mx_moe_experts
+    monkeypatch.setattr(mxmoe.nn.moe, "mx_moe_experts", lambda *a: fused_calls.append(a[0].dtype) or fused_op(*a))
+    model = causal_lm("qwen3_moe")
+    x, g = decisive_routing_(model)
+    ref = run_block(copy.deepcopy(model), "grouped_mm", x, g)
+    block = moe_block(model)
+    model.set_experts_implementation("mxfp8")
+    xx = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(xx.unsqueeze(0)).squeeze(0)
+    (out.float() * g).sum().backward()
+    assert fused_calls == [torch.bfloat16] and out.dtype == torch.float32
+    assert block.experts.gate_up_proj.grad.dtype == torch.float32
+    floors = SQNR_FLOORS_DB["qwen3_moe"]
+    for name, got in (("out", out), ("dx", xx.grad), ("dw_gate_up", block.experts.gate_up_proj.grad),
+                      ("dw_down", block.experts.down_proj.grad)):
+        assert sqnr_db(ref[name], got.detach()) >= floors[("bf16", name)] - 1.0, name
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mxmoe_bf16_backend_equals_transformers_bf16(family):
     model = causal_lm(family)

@@ -226,7 +226,9 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
 
     Returns:
-        (T, D) in hidden_states' dtype: sum over j of weights[t, j] * expert(x[t]).
+        (T, D) in hidden_states' dtype: sum over j of weights[t, j] * expert(x[t]). Under
+        ``torch.autocast``, float32 hidden states are cast to the autocast dtype first (the
+        expert GEMMs run in it, as autocast's matmuls do; with bf16 the fused op runs).
 
     Raises:
         ValueError: as :func:`experts_layout`; on the CPU an expert index outside [0, E)
@@ -239,14 +241,19 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
         if lo < 0 or hi >= module.num_experts:
             raise ValueError(f"{family(module)}: expert indices must be in [0, {module.num_experts}), got values in "
                              f"[{lo}, {hi}]: expert-parallel sentinels are not supported by mxmoe's backends")
+    device_type = hidden_states.device.type
     x_TD = hidden_states
-    if layout.fused:
-        w13_E2FD = _weight_ENK(module.gate_up_proj, layout.is_transposed)  # (E, 2F, D) = [gate; up]
-        w2_EDF = _weight_ENK(module.down_proj, layout.is_transposed)  # (E, D, F)
-        fused = supports_fused_experts(w13_E2FD.shape[2], w2_EDF.shape[2], recipe)
-        y_TD, _, _ = routed_experts(x_TD, top_k_index, top_k_weights, w13_E2FD, w2_EDF, recipe, fused)
-    else:
-        y_TD = _composed(module, layout, x_TD, top_k_index, top_k_weights, recipe)
+    if torch.is_autocast_enabled(device_type) and x_TD.dtype == torch.float32:
+        # under autocast the expert GEMMs take its dtype, as autocast's matmuls do (bf16: the fused op)
+        x_TD = x_TD.to(torch.get_autocast_dtype(device_type))
+    with torch.autocast(device_type, enabled=False):  # mxmoe's ops choose their own dtypes
+        if layout.fused:
+            w13_E2FD = _weight_ENK(module.gate_up_proj, layout.is_transposed)  # (E, 2F, D) = [gate; up]
+            w2_EDF = _weight_ENK(module.down_proj, layout.is_transposed)  # (E, D, F)
+            fused = supports_fused_experts(w13_E2FD.shape[2], w2_EDF.shape[2], recipe)
+            y_TD, _, _ = routed_experts(x_TD, top_k_index, top_k_weights, w13_E2FD, w2_EDF, recipe, fused)
+        else:
+            y_TD = _composed(module, layout, x_TD, top_k_index, top_k_weights, recipe)
     return y_TD.to(hidden_states.dtype)
 
 
