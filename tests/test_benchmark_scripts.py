@@ -31,6 +31,7 @@ SCRIPTS = {
     "moe_layer.py": 120,
     "linear.py": 120,
     "train_step.py": 120,
+    "hf_model.py": 120,
     "expert_parallel.py": 240,
 }
 SLOW = {"expert_parallel.py"}

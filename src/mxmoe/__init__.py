@@ -10,10 +10,13 @@ Public API:
   :func:`weight_copy_cache`.
 - modules for any PyTorch model: :class:`MXLinear` (drop-in nn.Linear), :class:`MoE`
   (router + experts + combine), :class:`GroupedExperts` (experts for your own router), and
-  :func:`convert_to_mxfp8` (swap a model's nn.Linear for MXLinear, set its MoE recipes).
+  :func:`convert_to_mxfp8` (swap a model's nn.Linear for MXLinear, set its MoE recipes;
+  for a Hugging Face transformers MoE model also its experts backend:
+  :mod:`mxmoe.integrations.transformers`).
 """
 
-from .nn import GroupedExperts, MoE, MXLinear, convert_to_mxfp8
+from .integrations import convert_to_mxfp8
+from .nn import GroupedExperts, MoE, MXLinear
 from .numerics import (
     MX_BLOCK_SIZE,
     ElemFormat,

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..models import QUANTIZABLE, ModelConfig
-from ..recipe import BACKENDS
-from ..recipe import RECIPES
 from ..distributed.launch import is_main_process
+from ..models import QUANTIZABLE, ModelConfig
+from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
 from .presets import add_preset_argument, parse_with_preset
 
@@ -75,6 +75,12 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
                    help="weight of the router z-loss (default: %(default)s)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size (default: the corpus's, 256 for bytes)")
+    g.add_argument("--hf-config", default=None, metavar="PATH_OR_MODEL_TYPE",
+                   help="train a Hugging Face transformers MoE causal LM from scratch instead of mxmoe's model: a "
+                        "config.json (or its directory; used as it is, its vocabulary and positions raised to the "
+                        "corpus's and --seq-len) or a model type such as qwen3_moe, mixtral or deepseek_v3 (its "
+                        "default config with --width, --layers, --heads, --experts, --top-k, --expert-width and "
+                        "the corpus's vocabulary). Needs pip install 'mxmoe[hf]' (docs/INTEGRATIONS.md)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
@@ -130,7 +136,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     Raises:
         ValueError: a bad combination (for example top-k > experts).
     """
-    model = ModelConfig(
+    model = _hf_model_config(args, vocab_size) if getattr(args, "hf_config", None) else ModelConfig(
         vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,
         n_layers=args.layers, n_heads=args.heads,
         n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,
@@ -149,6 +155,36 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     )
     cfg.validate()
     return cfg
+
+
+def _hf_model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    """The ModelConfig of ``--hf-config`` (mxmoe.integrations.transformers.hf_config_dict).
+
+    Raises:
+        ValueError: transformers not installed, an unknown model type, a config that is not
+            an MoE model; --mx-dispatch or a --moe-every / --dense-width / --shared-expert
+            setting, which only mxmoe's model takes.
+    """
+    try:
+        from ..integrations.transformers import hf_config_dict, model_config_from_hf
+    except ImportError as e:
+        raise ValueError(f"--hf-config needs transformers ({e}): pip install 'mxmoe[hf]'") from None
+    m = ModelConfig()
+    only_ours = [flag for flag, value, default in (("--moe-every", args.moe_every, m.moe_every),
+                                                   ("--dense-width", args.dense_width, m.d_ff_dense),
+                                                   ("--shared-expert", args.shared_expert, m.shared_expert),
+                                                   ("--mx-dispatch", args.mx_dispatch, False)) if value != default]
+    if only_ours:
+        raise ValueError(f"{', '.join(only_ours)} set mxmoe's own model; with --hf-config the transformers config "
+                         f"decides (edit its config.json)")
+    vocab = vocab_size if args.vocab_size is None else args.vocab_size
+    spec = args.hf_config
+    sizes = None if Path(spec).exists() or spec.endswith(".json") else {
+        "d_model": args.width, "n_layers": args.layers, "n_heads": args.heads, "n_experts": args.experts,
+        "top_k": args.top_k, "d_expert": args.expert_width, "vocab_size": vocab}
+    hf = hf_config_dict(spec, sizes, min_positions=args.seq_len, min_vocab=vocab)
+    return model_config_from_hf(hf, aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+                                quantized=args.quantize, dtype=args.dtype)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -49,6 +49,12 @@ class ModelConfig:
         mx_dispatch: round the MoE expert inputs to MXFP8 along D before the experts
             (what the expert-parallel MXFP8 dispatch sends; see :class:`~mxmoe.nn.moe.MoELayer`).
             Needs "experts" in ``quantized`` and a quantizing recipe.
+        hf_config: None for :class:`MoETransformer`; else the dict of a Hugging Face
+            transformers config (``PretrainedConfig.to_dict()``, with "model_type") whose
+            causal LM :func:`~mxmoe.models.build_model` builds instead (through
+            :mod:`mxmoe.integrations.transformers`). The size fields above then mirror it
+            (for reports); ``moe_every``, ``d_ff_dense``, ``shared_expert``, ``rope_theta``,
+            ``norm_eps`` and ``z_loss_coef`` are the transformers config's business and unused.
     """
 
     vocab_size: int = 256
@@ -69,6 +75,7 @@ class ModelConfig:
     quantized: tuple[str, ...] = field(default=("experts", "attention", "dense"))
     dtype: str = "bfloat16"
     mx_dispatch: bool = False
+    hf_config: dict | None = None
 
     def __post_init__(self):
         self.quantized = tuple(self.quantized)
@@ -94,7 +101,14 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; use top_k <= n_experts")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+        if self.hf_config is not None:
+            if not isinstance(self.hf_config, dict) or not self.hf_config.get("model_type"):
+                raise ValueError(f"hf_config must be a transformers config dict with a model_type, got "
+                                 f"{str(self.hf_config)[:80]!r}")
+            if self.mx_dispatch:
+                raise ValueError("mx_dispatch is a setting of mxmoe's own MoE layer; a transformers model "
+                                 "(hf_config) does not take it")
+        elif self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(
                 f"d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
             )

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..models import ModelConfig, MoETransformer
+from ..models import ModelConfig, build_model
 from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
@@ -155,7 +155,7 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     Raises:
         FileNotFoundError: ``src`` does not exist.
         ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory; ``src`` is not
-            an mxmoe checkpoint.
+            an mxmoe checkpoint, or one of a transformers model (``--hf-config``).
     """
     from safetensors.torch import save
 
@@ -165,6 +165,10 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
     source = load_training_checkpoint(src)
+    if source.cfg.model.hf_config is not None:
+        raise ValueError(f"{str(src)!r} trained a transformers model ({source.cfg.model.hf_config['model_type']}); "
+                         f"mxmoe export writes mxmoe's own model: load its state dict into the transformers model "
+                         f"and use save_pretrained")
     recipe = get_recipe(source.cfg.recipe)
     mode = ScaleMode.parse(scale_mode) if scale_mode is not None else (
         recipe.scale_mode if recipe.quantize else ScaleMode.RCEIL)
@@ -289,7 +293,7 @@ def evaluate_source(path: str | Path, *, data: str | None = None, batch_size: in
                          f"{cfg.model.vocab_size}")
     batches = eval_batches(corpus.val, bs, sl, n)
     name = recipe or cfg.recipe
-    model = MoETransformer(cfg.model, get_recipe(name, backend=quant_backend or cfg.quant_backend))
+    model = build_model(cfg.model, get_recipe(name, backend=quant_backend or cfg.quant_backend))
     model.load_state_dict(src.state)
     model.to(dev)
     loss = evaluate(model, batches, dev)

@@ -34,7 +34,7 @@ from ..distributed.batch import evaluate_expert_parallel, rank_slice
 from ..distributed.ep import shard_experts
 from ..distributed.launch import DistEnv, init_expert_parallel
 from ..distributed.sync import gather_state, load_sharded_model_state
-from ..models import ModelConfig, MoETransformer
+from ..models import ModelConfig, MoETransformer, build_model
 from ..recipe import BACKENDS, RECIPES, get_recipe
 from .checkpoint import (
     CHECKPOINT_NAME,
@@ -147,6 +147,9 @@ class TrainConfig:
         if isinstance(self.expert_parallel, bool) or not isinstance(self.expert_parallel, int) \
                 or self.expert_parallel < 1:
             _bad(f"expert_parallel must be a positive integer, got {self.expert_parallel!r}")
+        if self.model.hf_config is not None and self.expert_parallel > 1:
+            _bad(f"--expert-parallel {self.expert_parallel} runs mxmoe's own MoE layer; a transformers model "
+                 f"(--hf-config) trains in one process: use --expert-parallel 1")
         if self.model.n_experts % self.expert_parallel:
             _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
                  f"ranks; use a number of experts divisible by {self.expert_parallel}")
@@ -431,7 +434,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
         dist.barrier()
 
     torch.manual_seed(cfg.seed)
-    model = MoETransformer(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))
+    model = build_model(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))
     params = model.num_params()  # of the whole model (before the experts are spread)
     flops = model.flops_per_token(cfg.seq_len)
     if env is not None:
