@@ -156,8 +156,8 @@ def git_commit() -> str:
     """``$COMMIT`` if set, else ``git rev-parse --short HEAD`` of the repository, else
     "unknown" (the working tree copied to a GPU machine may come without ``.git``, or with
     the ``.git`` of an older commit: the caller names the commit it copied)."""
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
+    if os.environ.get("COMMIT", "").strip():
+        return os.environ["COMMIT"].strip()
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10)

@@ -359,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant(s) {bad}; use {', '.join(VARIANTS)}")
+    if not variants:
+        p.error(f"--variants names no variant; use one or more of {', '.join(VARIANTS)}")
+    if args.mxmoe_params == "bfloat16":  # the "(bf16 params)" variants would repeat the plain ones
+        variants = [v for v in variants if not v.endswith(BF16_PARAMS)] or variants
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be a positive integer, got {args.tokens}")
     models = harness.selected_models(p, args, SMOKE_MODEL)
@@ -368,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     env = harness.environment()
     print(harness.title("MoE layer forward + backward against SonicMoE, HF transformers and the bf16 GEMM floor",
                         env, args), flush=True)
+    if args.breakdown and dev.type != "cuda":
+        print("note: --breakdown profiles GPU kernels; on the CPU there is nothing to break down", flush=True)
     rows: list[harness.Row] = []
     results: dict[str, dict[str, Any]] = {}
     for name, (D, F, E, k, T) in models.items():

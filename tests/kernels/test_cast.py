@@ -51,10 +51,55 @@ def test_weight_grad_widening_rule(backend, device_ok):
 
     r = get_recipe("mxfp8", backend=backend)
     dw = torch.randn(3, 40, 33, device=DEV).to(torch.bfloat16)
-    assert use_triton_widen(dw, torch.float32, r) is device_ok
-    assert not use_triton_widen(dw.transpose(1, 2), torch.float32, r)  # strided: Tensor.to
-    assert not use_triton_widen(dw.float(), torch.float32, r)
-    assert not use_triton_widen(dw.half(), torch.float32, r)
-    assert torch.equal(widen_weight_grad(dw, torch.float32, r), dw.float())
-    same = dw.float()
-    assert widen_weight_grad(same, torch.float32, r) is same
+    with torch.no_grad():  # as in a backward that builds no graph
+        assert use_triton_widen(dw, torch.float32, r) is device_ok
+        assert not use_triton_widen(dw.transpose(1, 2), torch.float32, r)  # strided: Tensor.to
+        assert not use_triton_widen(dw.float(), torch.float32, r)
+        assert not use_triton_widen(dw.half(), torch.float32, r)
+        assert torch.equal(widen_weight_grad(dw, torch.float32, r), dw.float())
+        same = dw.float()
+        assert widen_weight_grad(same, torch.float32, r) is same
+    assert not use_triton_widen(dw, torch.float32, r)  # grad mode on: Tensor.to, which has a derivative
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the CPU without the interpreter")
+def test_triton_recipe_on_a_cpu_without_the_interpreter_widens_with_tensor_to(monkeypatch):
+    """backend="triton" on CPU tensors without TRITON_INTERPRET: rule 4 keeps Tensor.to (the
+    kernel cannot run there); widen itself refuses with a message naming the device."""
+    from mxmoe.kernels.cast import widen
+    from mxmoe.ops.backend import use_triton_widen, widen_weight_grad
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    r = get_recipe("bf16", backend="triton")
+    dw = torch.randn(4, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        assert not use_triton_widen(dw, torch.float32, r)
+        assert torch.equal(widen_weight_grad(dw, torch.float32, r), dw.float())
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        widen(dw, torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8-bf16-wgrad", "mxfp8"])
+def test_second_derivative_through_the_weight_gradient_matches_the_reference(recipe):
+    """A backward with create_graph=True keeps dW differentiable on every backend (rule 4
+    takes Tensor.to there): the double-backward result of the Triton backend is the
+    reference backend's (or both refuse alike)."""
+    from mxmoe.ops import mx_grouped_mm
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    w0 = torch.randn(2, 32, 64, generator=g)
+    offsets = torch.tensor([40, 64], dtype=torch.int32)
+    results = []
+    for backend in ("reference", "triton"):
+        x, w = x0.clone().to(DEV).requires_grad_(), w0.clone().to(DEV).requires_grad_()
+        r = get_recipe(recipe, backend=backend)
+        try:
+            (gw,) = torch.autograd.grad(mx_grouped_mm(x, w, offsets.to(DEV), r).float().square().sum(), w,
+                                        create_graph=True)
+            results.append((gw.requires_grad, gw.detach().cpu()))
+        except RuntimeError as err:  # refused alike on both backends
+            results.append(("refused", type(err).__name__))
+    assert results[0][0] == results[1][0], results
+    if results[0][0] is True:
+        assert torch.equal(results[0][1], results[1][1])

@@ -614,6 +614,11 @@ def test_group_token_table_equals_its_definition(E):
         used = want_end > 0  # tok0 of a block that reads nothing is not read
         assert torch.equal(tok_end.cpu(), want_end)
         assert torch.equal(tok0.cpu()[used], want0[used])
+        # strided and int64 offsets: the same table
+        spread = torch.zeros(2 * E, dtype=torch.int64)
+        spread[::2] = offsets
+        s0, s_end = kq.group_token_table(spread.to(DEV)[::2], block_starts, T, Tp // 32)
+        assert torch.equal(s_end.cpu(), want_end) and torch.equal(s0.cpu()[used], want0[used])
 
 
 @pytest.mark.parametrize("E", [65, 130])

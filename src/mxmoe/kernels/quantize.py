@@ -288,7 +288,7 @@ def group_token_table(offsets: Tensor, block_starts: Tensor, T: int, n_blocks: i
     """The token table of the per-expert padded layout, one Triton launch, no host sync.
 
     Args:
-        offsets: (E,) int32 contiguous cumulative token ends (non-decreasing).
+        offsets: (E,) int32 or int64 cumulative token ends (non-decreasing), any strides.
         block_starts: (E + 1,) int32 cumulative 32-token block counts from :func:`group_layout`.
         T: the rows that may be read (a block never reads past row T).
         n_blocks: padded blocks to describe (Tp / 32).
@@ -299,6 +299,7 @@ def group_token_table(offsets: Tensor, block_starts: Tensor, T: int, n_blocks: i
         holds tokens tok0[b] .. min(tok0[b] + 32, tok_end[b]) and zeros after them.
     """
     dev = offsets.device
+    offsets = offsets.to(torch.int32).contiguous()  # the kernel reads E dense int32 values
     tok0 = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     tok_end = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     if n_blocks:

@@ -28,9 +28,9 @@ The rule (every choice gives the same bits; only speed and memory differ):
    fused op for bf16 activations unless rule 2a applies (:func:`mxmoe.nn.moe.runs_fused`).
 4. The widening of a bf16 weight gradient to float32 master weights
    (:func:`use_triton_widen`): the Triton cast of :mod:`mxmoe.kernels.cast` where the
-   recipe's backend is not "reference" and rule 1 would run Triton on the tensor's device
-   ("auto": CUDA; "triton": CUDA or the interpreter), ``Tensor.to`` otherwise. Both give
-   the same bits (the cast is exact).
+   recipe's backend is not "reference", the tensor is where the kernel runs ("auto":
+   CUDA; "triton": CUDA or the interpreter) and grad mode is off, ``Tensor.to``
+   otherwise. Both give the same bits (the cast is exact).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import functools
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -96,14 +97,18 @@ def use_triton_for(x: Tensor, recipe: Recipe, dtype: torch.dtype | None = None) 
 
 def use_triton_widen(x: Tensor, dtype: torch.dtype, recipe: Recipe) -> bool:
     """Rule 4: whether ``x.to(dtype)`` runs the Triton widening cast. True for a contiguous
-    bfloat16 ``x`` cast to float32 where the recipe's backend is "auto" and x is
-    on a CUDA device, or "triton" (CUDA, or a CPU tensor under ``TRITON_INTERPRET=1``),
-    with Triton installed."""
-    if x.dtype != torch.bfloat16 or dtype != torch.float32 or not x.is_contiguous():
+    bfloat16 ``x`` cast to float32, with Triton installed, grad mode off (a backward that
+    builds a graph for a second derivative keeps ``Tensor.to``, which has a derivative), and
+    the recipe's backend "auto" with x on a CUDA device, or "triton" with x on a CUDA
+    device or on the CPU under ``TRITON_INTERPRET=1``. Elsewhere ``Tensor.to`` (the same
+    bits)."""
+    if x.dtype != torch.bfloat16 or dtype != torch.float32 or not x.is_contiguous() or torch.is_grad_enabled():
         return False
-    if recipe.backend == "auto":
-        return x.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-    return recipe.backend == "triton" and importlib.util.find_spec("triton") is not None
+    if recipe.backend not in ("auto", "triton") or importlib.util.find_spec("triton") is None:
+        return False
+    if x.device.type == "cuda":
+        return True
+    return recipe.backend == "triton" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def widen_weight_grad(dw: Tensor, dtype: torch.dtype, recipe: Recipe) -> Tensor:
