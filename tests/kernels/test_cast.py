@@ -103,3 +103,38 @@ def test_second_derivative_through_the_weight_gradient_matches_the_reference(rec
     assert results[0][0] == results[1][0], results
     if results[0][0] is True:
         assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("op", ["mx_grouped_mm", "mx_moe_experts"])
+def test_a_plain_backward_widens_float32_weight_grads_with_the_kernel(op, monkeypatch):
+    """In a backward without create_graph (grad mode off there) the float32 weights'
+    gradients go through the Triton cast on the Triton backend, bit-equal to the reference
+    backend's Tensor.to."""
+    import mxmoe.kernels.cast as cast
+    from mxmoe.ops import mx_grouped_mm, mx_moe_experts
+
+    calls = []
+    real = cast.widen
+    monkeypatch.setattr(cast, "widen", lambda x, dtype: calls.append(x.shape) or real(x, dtype))
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    grads = {}
+    for backend in ("reference", "triton"):
+        r = get_recipe("mxfp8", backend=backend)
+        x = x0.clone().to(DEV).requires_grad_()
+        if op == "mx_grouped_mm":
+            w = (torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))).to(DEV).requires_grad_()
+            y = mx_grouped_mm(x, w, torch.tensor([40, 64], dtype=torch.int32, device=DEV), r)
+            params = [w]
+        else:
+            gw = torch.Generator().manual_seed(1)
+            w13 = (torch.randn(2, 64, 64, generator=gw) / 8).to(DEV).requires_grad_()
+            w2 = (torch.randn(2, 64, 32, generator=gw) / 8).to(DEV).requires_grad_()
+            src = torch.arange(64, device=DEV).repeat(2)
+            y = mx_moe_experts(x, src, torch.tensor([64, 128], dtype=torch.int32, device=DEV), w13, w2, r)
+            params = [w13, w2]
+        y.float().square().sum().backward()
+        grads[backend] = [p.grad.cpu() for p in params]
+    assert len(calls) == len(grads["triton"]), "the Triton backend's weight gradients were not widened by the kernel"
+    for a, b in zip(grads["reference"], grads["triton"]):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
