@@ -93,6 +93,9 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="max global gradient norm, 0 to disable (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="initialization and data-order seed (default: %(default)s)")
+    g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps, metavar="N",
+                   help="a step whose loss or gradient norm is NaN or inf is skipped (no update) and marked in the "
+                        "metrics; stop with exit status 1 after N such steps in a row (default: %(default)s)")
 
     g = p.add_argument_group("run")
     g.add_argument("--eval-interval", type=int, default=d.eval_interval,
@@ -145,7 +148,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
         progress=not args.no_progress and sys.stderr.isatty(), overwrite=args.overwrite,
-        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, model=model,
+        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, max_bad_steps=args.max_bad_steps,
+        model=model,
     )
     cfg.validate()
     return cfg
@@ -184,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The `mxmoe` entry point: parse ``argv`` (default sys.argv[1:]) with presets, run the
     subcommand; returns the exit status: 2 with a one-line message for refused input, 1 for
-    a non-finite loss, 130 when interrupted."""
+    a run of non-finite steps (``--max-bad-steps``), 130 when interrupted."""
     args, overridden = parse_with_preset(build_parser, sys.argv[1:] if argv is None else argv)
     if getattr(args, "preset", None):
         print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))
@@ -194,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mxmoe {args.command}: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
-        print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far and "
-              f"checkpoint.pt the last checkpoint", file=sys.stderr)
+        print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"mxmoe {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",

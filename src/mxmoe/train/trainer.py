@@ -57,7 +57,11 @@ _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
 RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend",
-                     "overwrite", "cuda_graph")
+                     "overwrite", "cuda_graph", "max_bad_steps")
+# A loss above ABSURD_LOSS_FACTOR * ln(vocab_size) + ABSURD_LOSS_MARGIN nats is far worse than
+# guessing uniformly (ln(vocab_size)): the run has diverged to finite values (e.g. --lr 10)
+ABSURD_LOSS_FACTOR = 2.0
+ABSURD_LOSS_MARGIN = 1.0
 
 
 @dataclass
@@ -91,6 +95,8 @@ class TrainConfig:
             (:mod:`mxmoe.train.step`: removes the host's launch cost, which bounds small
             models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
             expert-parallel runs.
+        max_bad_steps: stop (FloatingPointError) after this many consecutive steps whose
+            loss or gradient norm is not finite; each such step's update is skipped.
         model: the model shape.
     """
 
@@ -117,6 +123,7 @@ class TrainConfig:
     overwrite: bool = False
     expert_parallel: int = 1
     cuda_graph: bool = True
+    max_bad_steps: int = 5
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> None:
@@ -125,7 +132,7 @@ class TrainConfig:
             _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
         if self.quant_backend not in BACKENDS:
             _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
-        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches"):
+        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches", "max_bad_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 _bad(f"{name} must be a positive integer, got {value!r}")
@@ -401,7 +408,10 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             differs; with P > 1, no torchrun environment or WORLD_SIZE != P; with P == 1,
             a torchrun launch of several processes.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
-        FloatingPointError: a non-finite loss (after its metrics line is written).
+        FloatingPointError: ``cfg.max_bad_steps`` consecutive steps with a non-finite loss
+            or gradient norm (their updates skipped, their metrics lines written), or a
+            checkpoint due while a parameter or AdamW state holds NaN or inf (not written);
+            the message names the step and the last checkpoint written.
     """
     cfg.validate()
     if cfg.expert_parallel == 1:
@@ -487,16 +497,30 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             metrics.write({"kind": "eval", "step": step, "loss": tr, "val_loss": val})
             _log(f"eval step {step:5d} | train loss {tr:.4f} | val loss {val:.4f}", progress)
 
+    last_ckpt: list[int | None] = [start_step if checkpoint is not None else None]  # step of the last one written
+
     def save(step: int) -> None:
+        # a checkpoint with a non-finite value would replace the last good one: refuse it
+        # (every rank checks its own parameters and AdamW state; over P ranks they agree)
+        where = nonfinite_state(model.state_dict(), opt.state_dict())
+        if env is not None:
+            flag = torch.tensor([0.0 if where is None else 1.0], device=device)
+            dist.all_reduce(flag)
+            where = where or ("another rank's state" if flag.item() else None)
+        if where is not None:  # updates are skipped on non-finite gradients: nothing would repair it
+            raise FloatingPointError(f"not writing the checkpoint of step {step}: {where} holds NaN or inf; "
+                                     f"{_last_good(out, last_ckpt[0])}; lower --lr or check the data")
         if env is None:
             save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                   "train_config": cfg.to_dict(), "expert_parallel": P})
+            last_ckpt[0] = step
             return
         gathered = gather_state(model, opt)
         if main:
             model_state, opt_states = gathered
             save_checkpoint(out, {"step": step, "model": model_state, "optimizer": opt_states,
                                   "train_config": cfg.to_dict(), "expert_parallel": P})
+        last_ckpt[0] = step
         dist.barrier()  # the checkpoint is on disk before any rank goes on
 
     # after the checkpoint is loaded: the step puts AdamW in the mode it needs
@@ -514,6 +538,9 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     wall_start = time.perf_counter()
     bar = tqdm(range(start_step + 1, cfg.steps + 1), initial=start_step, total=cfg.steps,
                disable=not progress, desc=cfg.recipe, dynamic_ncols=True, file=sys.stderr)
+    bad_steps: list[int] = []  # the current run of consecutive steps with skipped updates
+    absurd_loss = ABSURD_LOSS_FACTOR * math.log(cfg.model.vocab_size) + ABSURD_LOSS_MARGIN
+    warned_absurd = False
     for step in bar:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
@@ -523,6 +550,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
         lr = lr_at(step, cfg)
         outs = train_step(x, y, lr)
         loss = outs.ce_loss.item()  # synchronizes: the step is done
+        skipped = bool(outs.skipped.item())  # already on the host's side of that sync
         dt = time.perf_counter() - t0
         counts = torch.stack(outs.tokens_per_expert).float() if outs.tokens_per_expert else None
         load_max = (counts.max(dim=1).values / counts.mean(dim=1)).max().item() if counts is not None else 1.0
@@ -532,16 +560,32 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
             "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
             "cuda_graph": train_step.graphed,  # False after a capture that failed (eager from then on)
+            "skipped": skipped,  # the update was not applied: non-finite gradient norm
         }
         if main:
             metrics.write(record)
-        if not math.isfinite(loss):  # over P ranks: the same value on every rank, all stop
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
         step_times.append(dt)
         if main:
             _log(f"step {step:5d} | loss {loss:.4f} | aux {record['aux_loss']:.3f} "
                  f"| grad norm {record['grad_norm']:.3f} | lr {lr:.2e} | {record['tokens_per_s']:,.0f} tok/s "
-                 f"| {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB", progress)
+                 f"| {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB"
+                 + (" | update skipped (non-finite gradient norm)" if skipped else ""), progress)
+            if not warned_absurd and math.isfinite(loss) and loss > absurd_loss:
+                warned_absurd = True
+                _log(f"warning: loss {loss:.1f} at step {step} is far above ln(vocab_size) = "
+                     f"{math.log(cfg.model.vocab_size):.2f} nats (uniform guessing): the run is diverging; "
+                     f"lower --lr (now {cfg.lr:g}) or check the data", progress)
+        # over P ranks: the loss and the global gradient norm are the same on every rank, all stop
+        if skipped or not math.isfinite(loss):
+            bad_steps.append(step)
+            if len(bad_steps) >= cfg.max_bad_steps:
+                raise FloatingPointError(
+                    f"{len(bad_steps)} consecutive steps ({bad_steps[0]} to {step}) had a non-finite loss or gradient "
+                    f"norm (loss {loss}, grad norm {record['grad_norm']}), their updates skipped; stopped at step "
+                    f"{step} (--max-bad-steps {cfg.max_bad_steps}); {_last_good(out, last_ckpt[0])}; lower --lr or "
+                    f"check the data")
+        else:
+            bad_steps.clear()
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             run_eval(step)
         if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == cfg.steps:
@@ -558,6 +602,28 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     box = [result]
     dist.broadcast_object_list(box, src=0)  # rank 0 read the metrics file: the same result on every rank
     return box[0]
+
+
+def _last_good(out: Path, step: int | None) -> str:
+    if step is None:
+        return "no checkpoint was written"
+    return f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {step})"
+
+
+def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> str | None:
+    """The name of the first floating-point tensor in a model state dict or an optimizer
+    state dict (``{"state": {index: {name: tensor}}, ...}``) holding a NaN or inf, or None
+    when every one is finite (one host sync for all)."""
+    named = [(k, t) for k, t in model_state.items() if t.is_floating_point()]
+    for i, st in optimizer_state.get("state", {}).items():
+        named += [(f"optimizer state {k} of parameter {i}", t) for k, t in st.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
 
 
 def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step: int,
