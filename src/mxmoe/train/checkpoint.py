@@ -6,10 +6,18 @@ any point leaves either the previous checkpoint or the new one, never a torn fil
 
 :func:`load_checkpoint` reads one with ``torch.load(weights_only=True)``: a file that would
 need the full pickle (one that could run code when loaded) is refused.
+
+Content hash: :func:`save_checkpoint` stores, under ``"checksums"``, the SHA-256 of each
+tensor (its dtype, shape and bytes) by its path in the state (``model/embed``,
+``optimizer/state/0/exp_avg``) and one SHA-256 of every other value (step, settings,
+hyperparameters) with its path. :func:`load_checkpoint` recomputes them and refuses a file
+whose content differs (flipped bytes, a tensor or value edited after writing). A checkpoint
+without ``"checksums"`` (written before they were stored) loads unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -21,6 +29,9 @@ from typing import Any
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
+CHECKSUMS_KEY = "checksums"
+CHECKSUM_ALGORITHM = "sha256"
+_OTHER_VALUES = "values other than tensors"  # the key of the one hash of all non-tensor leaves
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,15 +71,69 @@ def atomic_write_bytes(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    h = hashlib.sha256(f"{t.dtype}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_checksums(state: Any) -> dict[str, Any]:
+    """The content hashes of a checkpoint state (a dict of dicts, lists, tuples, tensors and
+    plain values; ``"checksums"`` itself left out): ``{"algorithm": "sha256", "tensors":
+    {path: hex digest of dtype, shape and bytes}, "values other than tensors": hex digest of
+    every other leaf's path and repr}``. Paths join keys and indices with ``/``."""
+    tensors: dict[str, str] = {}
+    other = hashlib.sha256()
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors[path] = _tensor_digest(obj)
+            other.update(f"{path}:shape={tuple(obj.shape)}\n".encode())
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if not (path == "" and k == CHECKSUMS_KEY):
+                    walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        else:
+            other.update(f"{path}={obj!r}\n".encode())
+
+    walk(state, "")
+    return {"algorithm": CHECKSUM_ALGORITHM, "tensors": tensors, _OTHER_VALUES: other.hexdigest()}
+
+
 def save_checkpoint(out_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically. Temp
-    files of earlier writes that were killed (SIGKILL leaves them; a checkpoint can be
-    gigabytes) are removed first: one run writes to a directory at a time."""
+    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically, with its
+    content hashes under ``"checksums"`` (:func:`state_checksums`; a ``"checksums"`` entry
+    of ``state`` is replaced). Temp files of earlier writes that were killed (SIGKILL leaves
+    them; a checkpoint can be gigabytes) are removed first: one run writes to a directory at
+    a time."""
     path = Path(out_dir) / CHECKPOINT_NAME
     for stale in Path(out_dir).glob(f".{CHECKPOINT_NAME}.*.tmp"):
         stale.unlink(missing_ok=True)
+    state = {**{k: v for k, v in state.items() if k != CHECKSUMS_KEY}, CHECKSUMS_KEY: state_checksums(state)}
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     return path
+
+
+def _verify_checksums(path: Path, ckpt: dict[str, Any]) -> None:
+    """Raise a one-line ValueError naming ``path`` and the first part whose content hash
+    differs from the one stored in it."""
+    stored = ckpt.pop(CHECKSUMS_KEY)
+    damaged = (f"{str(path)!r} is damaged: its content does not match the checksums stored in it "
+               f"(flipped bytes, or edited after it was written)")
+    if not isinstance(stored, dict) or stored.get("algorithm") != CHECKSUM_ALGORITHM \
+            or not isinstance(stored.get("tensors"), dict):
+        raise ValueError(f"{damaged}: its checksums entry is malformed; use an earlier checkpoint or start anew")
+    now = state_checksums(ckpt)
+    for name in sorted(set(now["tensors"]) | set(stored["tensors"])):
+        if now["tensors"].get(name) != stored["tensors"].get(name):
+            raise ValueError(f"{damaged}: tensor {name} differs; use an earlier checkpoint or start anew")
+    if now[_OTHER_VALUES] != stored.get(_OTHER_VALUES):
+        raise ValueError(f"{damaged}: a value other than a tensor (step, settings, shapes) differs; use an earlier "
+                         f"checkpoint or start anew")
 
 
 # what torch's weights_only unpickler says when a file asks for a global it does not allow
@@ -100,7 +165,8 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + text.split(". ", 1)[0][:200]
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
     """Load an mxmoe checkpoint without running any code from it: the one loader of
     ``mxmoe train --resume``, ``mxmoe eval``, ``mxmoe export`` and ``mxmoe compare``.
 
@@ -121,16 +187,19 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
             checkpoint written on a GPU loads on any machine).
         mmap: memory-map the file instead of reading it (tensor storages are read when
             used; for reading the step of a large checkpoint).
+        verify: check the content hashes stored in the file (every tensor is read and
+            hashed: about a second per GB); False only to peek at a value such as the step.
 
     Returns:
         The saved dict: ``step`` (int) and, as :func:`save_checkpoint` is called by the
-        trainer, ``model``, ``optimizer``, ``train_config`` and ``expert_parallel``.
+        trainer, ``model``, ``optimizer``, ``train_config`` and ``expert_parallel``
+        (``"checksums"`` removed).
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
         ValueError: the file holds other Python objects (refused, nothing of it is run);
             it is not a torch checkpoint (truncated, another format); it is not a dict
-            with a ``step``.
+            with a ``step``; ``verify`` and its content differs from its stored checksums.
     """
     path = Path(path)
     if path.is_dir() or not path.exists() and path.suffix != ".pt":  # a run directory, existing or not
@@ -148,6 +217,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
         raise ValueError(f"{str(path)!r} is not a readable torch checkpoint ({_one_line(e)})") from None
     if not isinstance(ckpt, dict) or "step" not in ckpt:
         raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (a {type(ckpt).__name__} without a 'step')")
+    if CHECKSUMS_KEY in ckpt:
+        if verify:
+            _verify_checksums(path, ckpt)
+        else:
+            del ckpt[CHECKSUMS_KEY]
     return ckpt
 
 
