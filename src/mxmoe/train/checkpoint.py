@@ -24,7 +24,7 @@ import pickle
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -231,21 +231,69 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), lambda f: f.write(data))
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep only the lines of a metrics JSONL file with ``step <= last_step`` (after a
-    resume from ``last_step``, later lines would be written again). Atomic."""
+class MetricsTrim(NamedTuple):
+    """What :func:`truncate_metrics` did: ``kept`` lines; ``damaged``, the 1-based numbers
+    of the lines dropped as damaged; ``past``, the number of valid lines dropped because
+    their step is past the checkpoint's."""
+
+    kept: int
+    damaged: list[int]
+    past: int
+
+    def describe(self, name: str, last_step: int) -> str | None:
+        """One line saying what was dropped, None when nothing was."""
+        parts = []
+        if self.damaged:
+            shown = ", ".join(map(str, self.damaged[:5])) + (", ..." if len(self.damaged) > 5 else "")
+            parts.append(f"{len(self.damaged)} damaged line{'s' * (len(self.damaged) > 1)} (line {shown}: "
+                         f"torn, NUL bytes or not a JSON object)")
+        if self.past:
+            parts.append(f"{self.past} line{'s' * (self.past > 1)} past the checkpoint's step {last_step} "
+                         f"(written again)")
+        if not parts:
+            return None
+        return f"{name}: kept {self.kept} lines, dropped " + " and ".join(parts)
+
+
+def _metrics_record(raw: bytes) -> dict | None:
+    """The JSON object of one metrics line, None when the line is damaged. NUL bytes around
+    a line (what a crash can leave in a file's last block) are removed first."""
+    line = raw.strip(b"\0").strip()
+    if b"\0" in line:
+        return None
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("step", 0), int) else None
+
+
+def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:
+    """Rewrite a metrics JSONL file for a resume from ``last_step``: keep every valid line
+    with ``step <= last_step`` (later lines would be written again); drop the damaged
+    ones (torn by a crash, NUL bytes, not a JSON object) wherever they are, and the valid
+    lines past ``last_step``. Blank lines are dropped silently. Atomic.
+
+    Returns:
+        :class:`MetricsTrim` (all zeros for a missing file).
+    """
     path = Path(path)
     if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line + "\n")
-        except json.JSONDecodeError:
-            break  # a torn last line from a crash: drop it and what follows
+        return MetricsTrim(0, [], 0)
+    kept, damaged, past = [], [], 0
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        record = _metrics_record(raw)
+        if record is None:
+            damaged.append(number)
+        elif record.get("step", 0) > last_step:
+            past += 1
+        else:
+            kept.append(raw.strip(b"\0").strip().decode("utf-8") + "\n")  # the line as written
     data = "".join(kept).encode()
     atomic_write_bytes(path, lambda f: f.write(data))
+    return MetricsTrim(len(kept), damaged, past)
 
 
 class MetricsWriter:

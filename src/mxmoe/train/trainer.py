@@ -449,6 +449,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     model = model.to(device)
     opt = make_optimizer(model, cfg)
     start_step = 0
+    trimmed = None
     if checkpoint is not None:
         if env is None:
             model.load_state_dict(checkpoint["model"])
@@ -458,7 +459,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             opt.load_state_dict(checkpoint["optimizer"][rank])
         start_step = checkpoint["step"]
         if main:
-            truncate_metrics(out / METRICS_NAME, start_step)
+            trimmed = truncate_metrics(out / METRICS_NAME, start_step).describe(METRICS_NAME, start_step)
     elif main and (out / METRICS_NAME).exists():
         (out / METRICS_NAME).unlink()  # a new run in an old directory starts a new log
 
@@ -481,6 +482,8 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
              f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | {where}", progress)
         if start_step:
             _log(f"resuming from the checkpoint of step {start_step} in {out}", progress)
+            if trimmed:
+                _log(trimmed, progress)
 
     metrics = MetricsWriter(out / METRICS_NAME) if main else None
     tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch
