@@ -59,7 +59,8 @@ class RouterOutput:
 
 class _Float32Linear(torch.autograd.Function):
     """logits = float32(x) @ float32(W)^T, saving x in its own dtype (bf16: half the bytes
-    of the float32 copy F.linear would keep); the backward repeats F.linear's float32 math."""
+    of the float32 copy F.linear would keep); the backward repeats F.linear's float32 math
+    in differentiable torch ops, so double backward is supported."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
+from .autograd import no_double_backward
 from .backend import GroupedGemmBackend, grouped_gemm_backend
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
@@ -57,6 +58,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
 
     @staticmethod
+    @no_double_backward("mx_grouped_mm", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_TN: Tensor):
         x_TK, w_ENK, offsets_E = ctx.saved_tensors
         recipe: Recipe = ctx.recipe

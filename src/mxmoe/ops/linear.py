@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
+from .autograd import no_double_backward
 from .quantize import fake_quantize_operand, fake_quantize_rowcol
 from .weight_cache import dgrad_operand, weight_operands
 
@@ -52,6 +53,8 @@ class _MXLinearFunction(torch.autograd.Function):
         return xq_TK @ wq_NK.t()  # (T, K) @ (K, N) -> (T, N)
 
     @staticmethod
+    @no_double_backward("mx_linear under a quantizing recipe", "run the layers that need second-order gradients "
+                        "under recipe 'bf16' (mx_linear is then F.linear) or call torch.nn.functional.linear")
     def backward(ctx, dy_TN: Tensor):
         x_wgrad_TK, w_NK = ctx.saved_tensors
         recipe: Recipe = ctx.recipe

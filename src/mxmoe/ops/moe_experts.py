@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor
+from .autograd import no_double_backward
 from .backend import use_triton_for
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
@@ -175,7 +175,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
-    @once_differentiable  # the quantizers have no useful second derivative: refuse double backward
+    @no_double_backward("mx_moe_experts", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_AD: Tensor):
         w13, w2, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
