@@ -26,6 +26,7 @@ from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
 from .autograd import no_double_backward
 from .backend import GroupedGemmBackend, grouped_gemm_backend
+from .offsets import check_offsets_values
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn
@@ -133,6 +134,7 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     """
     recipe = get_recipe(recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
+    check_offsets_values(offsets, dy.shape[0], "mx_grouped_mm_dgrad")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
         dy = dy.contiguous()
         backend = grouped_gemm_backend("dgrad", dy, w, offsets, recipe, weight_cached=active_cache(w) is not None)
@@ -147,7 +149,12 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
 # tracing of them returned zero gradients on the H200 (torch 2.11; root cause not pinned
 # down), and their kernels are custom ops Inductor cannot fuse into anyway
 # (tests/nn/test_compile.py).
-_apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
+@torch.compiler.disable
+def _apply(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+    """The offsets' values checked (:mod:`mxmoe.ops.offsets`; eager, so under
+    torch.compile too), then the op."""
+    check_offsets_values(offsets_E, x_TK.shape[0], "mx_grouped_mm")
+    return _MXGroupedMMFunction.apply(x_TK, w_ENK, offsets_E, recipe)
 
 
 def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
@@ -158,15 +165,19 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
             dtype with float32 accumulation.
         w: (E, N, K) expert weights (any float dtype, usually float32 master weights).
         offsets: (E,) int32 (or int64) on x's device: cumulative end row of each expert
-            (non-decreasing, offsets[-1] <= T). Rows past offsets[-1] are ignored.
+            (0 <= offsets[0], non-decreasing, offsets[-1] <= T: the contract in
+            :mod:`mxmoe.ops.offsets`). Rows past offsets[-1] are ignored.
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
 
     Returns:
         (T, N) in x's dtype; rows past offsets[-1] are zeros.
 
     Raises:
-        TypeError: x not float32/bfloat16/float16, offsets not an integer tensor.
-        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ.
+        TypeError: x not float32/bfloat16/float16, offsets not int32/int64.
+        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ;
+            offsets that break the contract (a negative start, a decrease, past T): checked
+            on the CPU, and on CUDA only with ``MXMOE_CHECK_OFFSETS=1`` (no host sync by
+            default).
 
     Gradients flow to x and w (not offsets). K, N and group sizes need not be multiples of
     32 (zero padded, exact). Under ``torch.compile`` the op runs eagerly, with a graph
