@@ -145,9 +145,10 @@ def test_load_checkpoint_refuses_and_reports_other_files(tmp_path):
     torch.save([1, 2], tmp_path / "e.pt")
     with pytest.raises(ValueError, match=r"'.*e\.pt' is not an mxmoe checkpoint \(a list without a 'step'\)"):
         load_checkpoint(tmp_path / "e.pt")
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*missing/checkpoint\.pt; run without --resume"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing/checkpoint\.pt': it does not exist; "
+                                                r"pass a run directory, .* train without --resume"):
         load_checkpoint(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*missing\.pt; "):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing\.pt': "):
         load_checkpoint(tmp_path / "missing.pt")
     for name in "abcde":
         with pytest.raises(ValueError) as e:

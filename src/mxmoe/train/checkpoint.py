@@ -165,6 +165,52 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + text.split(". ", 1)[0][:200]
 
 
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """The checkpoint file that ``path`` names: ``path/checkpoint.pt`` for a run directory
+    (existing or not, unless ``path`` ends in ``.pt``), else ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is a directory (a ``checkpoint.pt`` that is a directory).
+    """
+    path = Path(path)
+    if path.is_dir():
+        inner = path / CHECKPOINT_NAME
+        if inner.exists() or path.name != CHECKPOINT_NAME:
+            path = inner
+    elif not path.exists() and path.suffix != ".pt":
+        path = path / CHECKPOINT_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r}: it does not exist; pass a run directory, its "
+                                f"{CHECKPOINT_NAME} or (to eval) an mxmoe export; to start a new run rather than "
+                                f"resume one, train without --resume (with --overwrite if the directory holds a run "
+                                f"stopped before its first checkpoint)")
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory, not a checkpoint file; pass a run directory holding a "
+                         f"{CHECKPOINT_NAME} file, or the file itself")
+    return path
+
+
+def check_training_checkpoint(path: Path, ckpt: dict[str, Any]) -> None:
+    """Refuse (one-line ValueError naming ``path``) a loaded checkpoint that does not have
+    the structure the trainer writes: ``model`` a dict of tensors by name, ``optimizer``
+    a dict (a list of dicts, one per rank, for an expert-parallel run), ``train_config`` a
+    dict with a ``model`` dict. Their values are checked against the model by the caller."""
+    problems = []
+    model = ckpt.get("model")
+    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in model.items()):
+        problems.append("'model' is not a dict of tensors")
+    opt = ckpt.get("optimizer")
+    if not (isinstance(opt, dict) or isinstance(opt, list) and all(isinstance(o, dict) for o in opt)):
+        problems.append("'optimizer' is not an optimizer state dict")
+    cfg = ckpt.get("train_config")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        problems.append("'train_config' is not a dict of settings with a 'model' dict")
+    if problems:
+        raise ValueError(f"{str(path)!r} is not an mxmoe training checkpoint: {'; '.join(problems)}")
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False,
                     verify: bool = True) -> dict[str, Any]:
     """Load an mxmoe checkpoint without running any code from it: the one loader of
@@ -198,15 +244,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
         ValueError: the file holds other Python objects (refused, nothing of it is run);
-            it is not a torch checkpoint (truncated, another format); it is not a dict
-            with a ``step``; ``verify`` and its content differs from its stored checksums.
+            it is a directory; it is not a torch checkpoint (truncated, empty, another
+            format); it is not a dict with an integer ``step`` >= 0; ``verify`` and its
+            content differs from its stored checksums.
     """
-    path = Path(path)
-    if path.is_dir() or not path.exists() and path.suffix != ".pt":  # a run directory, existing or not
-        path = path / CHECKPOINT_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}; run without --resume to start a new run (with "
-                                f"--overwrite if the directory holds a run stopped before its first checkpoint)")
+    path = resolve_checkpoint_path(path)
     try:
         ckpt = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:  # torch.load raises it for whatever the weights_only unpickler refuses
@@ -217,6 +259,9 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
         raise ValueError(f"{str(path)!r} is not a readable torch checkpoint ({_one_line(e)})") from None
     if not isinstance(ckpt, dict) or "step" not in ckpt:
         raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (a {type(ckpt).__name__} without a 'step')")
+    step = ckpt["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (its step is {step!r}, not an integer >= 0)")
     if CHECKSUMS_KEY in ckpt:
         if verify:
             _verify_checksums(path, ckpt)

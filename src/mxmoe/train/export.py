@@ -48,9 +48,10 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint
+from .checkpoint import atomic_write_bytes, resolve_checkpoint_path
 from .data import eval_batches, load_corpus
 from .trainer import TrainConfig, evaluate, resolve_device
+from .trainer import load_training_checkpoint as load_checkpoint_of_run
 
 EXPORT_FORMATS = ("mxfp8", "bf16")
 FORMAT_VERSION = 1
@@ -100,16 +101,6 @@ class Source:
     path: Path
 
 
-def _resolve_checkpoint_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{str(path)!r} does not exist; pass a run directory, its checkpoint.pt "
-                                f"or an exported .safetensors file")
-    return path
-
-
 def is_safetensors(path: Path) -> bool:
     """Whether ``path`` starts like a safetensors file (u64 header length, then ``{``)."""
     with open(path, "rb") as f:
@@ -123,19 +114,18 @@ def is_safetensors(path: Path) -> bool:
 def load_training_checkpoint(path: str | Path) -> Source:
     """A checkpoint.pt (or a run directory holding one) as a :class:`Source`.
 
-    Read with :func:`~mxmoe.train.checkpoint.load_checkpoint` (``weights_only``: nothing
-    in the file is run).
+    Read with :func:`mxmoe.train.trainer.load_training_checkpoint`, the loader of
+    ``train --resume`` (``weights_only``: nothing in the file is run; checksums, structure,
+    settings and weight shapes checked).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a file holding Python objects other
-        than tensors and plain data (refused); not an mxmoe checkpoint.
+        than tensors and plain data (refused); a directory; not an mxmoe checkpoint, or
+        a damaged one.
     """
-    path = _resolve_checkpoint_path(path)
-    ckpt = load_checkpoint(path)
-    if not {"model", "train_config", "step"} <= set(ckpt):
-        raise ValueError(f"{str(path)!r} is not an mxmoe training checkpoint (no model/train_config/step)")
+    path, ckpt, cfg = load_checkpoint_of_run(path)
     state = {k: v.float() for k, v in ckpt["model"].items()}
-    return Source("checkpoint", TrainConfig.from_dict(ckpt["train_config"]), state, int(ckpt["step"]), path)
+    return Source("checkpoint", cfg, state, int(ckpt["step"]), path)
 
 
 def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
@@ -231,7 +221,7 @@ def load_export(path: str | Path) -> Source:
 
 def load_source(path: str | Path) -> Source:
     """A run directory, checkpoint.pt or exported safetensors file (told apart by content)."""
-    resolved = _resolve_checkpoint_path(path)
+    resolved = resolve_checkpoint_path(path)
     return load_export(resolved) if is_safetensors(resolved) else load_training_checkpoint(resolved)
 
 

@@ -39,7 +39,9 @@ from ..recipe import BACKENDS, RECIPES, get_recipe
 from .checkpoint import (
     CHECKPOINT_NAME,
     MetricsWriter,
+    check_training_checkpoint,
     load_checkpoint,
+    resolve_checkpoint_path,
     save_checkpoint,
     truncate_metrics,
     write_json,
@@ -318,6 +320,56 @@ def _setting_name(key: str) -> str:
     return f"{key} ({flag})" if flag else key
 
 
+def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, Any], TrainConfig]:
+    """The one loader of a training checkpoint for ``train --resume``, ``eval`` and
+    ``export``: :func:`~mxmoe.train.checkpoint.load_checkpoint` (weights_only, checksums),
+    then its structure, its settings and its model weights against the model of those
+    settings (names and shapes), so that a file that would fail later fails here, in one
+    line naming it.
+
+    Args:
+        path: a run directory or its checkpoint.pt.
+
+    Returns:
+        ``(file, checkpoint dict, its TrainConfig)``.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: a directory, an unreadable or foreign file, a damaged one, or one
+            whose structure, settings or weights are not those of an mxmoe run.
+    """
+    file = resolve_checkpoint_path(path)
+    ckpt = load_checkpoint(file)
+    check_training_checkpoint(file, ckpt)
+    try:
+        cfg = TrainConfig.from_dict(ckpt["train_config"])
+        cfg.validate()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(file)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    check_model_state(file, ckpt["model"], cfg.model)
+    return file, ckpt, cfg
+
+
+def check_model_state(path: Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+    """Refuse (one-line ValueError naming ``path``) model weights whose names or shapes are
+    not those of ``MoETransformer(model_cfg)`` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        ref = MoETransformer(model_cfg, get_recipe("bf16"))
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    shapes = [f"{k} is {tuple(state[k].shape)}, the model's {want[k]}" for k in want
+              if k in state and tuple(state[k].shape) != want[k]]
+    floats = [k for k in want if k in state and not state[k].is_floating_point()]
+    if not (missing or extra or shapes or floats):
+        return
+    parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {extra[:3]}"] if extra else []) \
+        + shapes[:3] + ([f"not floating point: {floats[:3]}"] if floats else [])
+    raise ValueError(f"{str(path)!r} holds weights that do not fit the model of its own settings: "
+                     + "; ".join(parts))
+
+
 def _check_ranks(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
     """A checkpoint resumes on the number of ranks that wrote it (checked before the other
     settings, for its clearer message): it holds one optimizer state per rank. A checkpoint
@@ -360,9 +412,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
     train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     checkpoint = None
     if resume:
-        checkpoint = load_checkpoint(out)
+        _, checkpoint, saved = load_training_checkpoint(out)
         _check_ranks(cfg, checkpoint, out)
-        saved = TrainConfig.from_dict(checkpoint["train_config"])
         mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
                       if k not in RESUME_MAY_CHANGE]
         if mismatched:
