@@ -28,7 +28,7 @@ from .autograd import no_double_backward
 from .backend import GroupedGemmBackend, grouped_gemm_backend
 from .offsets import check_offsets_values
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
+from .quantize import check_weight_dtype, fake_quantize_grouped_tokens_pair, fake_quantize_operand
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn
 from .weight_cache import active_cache, dgrad_operand, weight_operands
 
@@ -133,6 +133,7 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     The implementation follows :func:`mxmoe.ops.backend.grouped_gemm_backend`, as in the backward.
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w, "w", "mx_grouped_mm_dgrad", recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
     check_offsets_values(offsets, dy.shape[0], "mx_grouped_mm_dgrad")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
@@ -184,6 +185,7 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
     break on each side (module note at ``_apply``).
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w, "w", "mx_grouped_mm", recipe)
     _check_args(x, w, offsets, "mx_grouped_mm", "x", "K")
     return _apply(x, w, offsets, recipe)
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
 from .autograd import no_double_backward
-from .quantize import fake_quantize_operand, fake_quantize_rowcol
+from .quantize import check_weight_dtype, fake_quantize_operand, fake_quantize_rowcol
 from .weight_cache import dgrad_operand, weight_operands
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,6 +108,7 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     recipe = get_recipe(recipe)
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; mx_linear takes float32, bfloat16 or float16")
+    check_weight_dtype(w, "w", "mx_linear", recipe)
     if w.dim() != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"w must be (N, K) with K = x.shape[-1] = {x.shape[-1]}, got {tuple(w.shape)}")
     if not recipe.quantize:

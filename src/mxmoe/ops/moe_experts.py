@@ -49,6 +49,7 @@ from .offsets import check_offsets_values
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import (
+    check_weight_dtype,
     dequantize_mx,
     fake_quantize_grouped_tokens,
     fake_quantize_grouped_tokens_pair,
@@ -259,6 +260,8 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     ``mxmoe.ops.grouped_mm._apply``).
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w13_E2FD, "w13", "mx_moe_experts", recipe)
+    check_weight_dtype(w2_EDF, "w2", "mx_moe_experts", recipe)
     if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2:
         raise ValueError(f"w13 must be (E, 2F, D) [gate; up] weights, got shape {tuple(w13_E2FD.shape)}")
     E, F2, D = w13_E2FD.shape
