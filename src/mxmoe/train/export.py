@@ -36,6 +36,7 @@ The file is written atomically (a temp file beside it, renamed over it).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,17 +145,23 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
 
     Raises:
         FileNotFoundError: ``src`` does not exist.
-        ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory; ``src`` is not
-            an mxmoe checkpoint.
+        ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory (or ends in a
+            path separator) or is ``src``'s checkpoint file; ``src`` is not an mxmoe
+            checkpoint.
     """
     from safetensors.torch import save
 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    if str(dst).endswith(("/", os.sep)):
+        raise ValueError(f"{str(dst)!r} names a directory; pass a file name such as {dst!s}model.safetensors")
     dst = Path(dst)
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
     source = load_training_checkpoint(src)
+    if dst.exists() and os.path.samefile(dst, source.path):
+        raise ValueError(f"{str(dst)!r} is the checkpoint being exported: writing there would replace the training "
+                         f"checkpoint; pass another file name such as model.safetensors")
     recipe = get_recipe(source.cfg.recipe)
     mode = ScaleMode.parse(scale_mode) if scale_mode is not None else (
         recipe.scale_mode if recipe.quantize else ScaleMode.RCEIL)

@@ -14,7 +14,9 @@ rank draws the same global batch and keeps its slice of it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -64,6 +66,10 @@ RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", 
 # guessing uniformly (ln(vocab_size)): the run has diverged to finite values (e.g. --lr 10)
 ABSURD_LOSS_FACTOR = 2.0
 ABSURD_LOSS_MARGIN = 1.0
+# seeds are 32-bit, as numpy's and most tools'; seed * _SEED_STRIDE + step then fits torch's generator
+MAX_SEED = 2**32 - 1
+# the advisory lock a run holds on its --out-dir while it writes there (fcntl.flock)
+LOCK_NAME = ".mxmoe.lock"
 
 
 @dataclass
@@ -140,6 +146,10 @@ class TrainConfig:
                 _bad(f"{name} must be a positive integer, got {value!r}")
         if self.ckpt_interval < 0 or self.warmup_steps < 0:
             _bad("ckpt_interval and warmup_steps must be >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            _bad(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir).strip():
+            _bad(f"out_dir must name a directory, got {self.out_dir!r}; pass e.g. --out-dir runs/mxmoe")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             _bad(f"lr must be a positive number, got {self.lr}")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
@@ -478,14 +488,71 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     return result
 
 
+def check_backend_device(cfg: TrainConfig, device: torch.device) -> None:
+    """``--quant-backend triton`` needs the Triton kernels' device: refuse it before any file
+    is written on a device they do not run on (the CPU without ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: naming the device and what would work.
+    """
+    if cfg.quant_backend == "triton" and RECIPES[cfg.recipe].quantize and device.type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET", "") != "1":
+        raise ValueError(f"--quant-backend triton runs the Triton kernels, which need a CUDA device; this run is on "
+                         f"{device}: use --quant-backend auto or reference (the same bits), or set TRITON_INTERPRET=1 "
+                         f"for Triton's (slow) CPU interpreter")
+
+
+@contextlib.contextmanager
+def out_dir_lock(out: Path, enabled: bool = True):
+    """Hold an advisory lock (``fcntl.flock`` on ``out/.mxmoe.lock``) for the body: a second
+    run into the same directory is refused while the first writes there. The lock goes with
+    the process (a killed run leaves no stale lock); the file stays.
+
+    Raises:
+        ValueError: another process holds the lock (its pid in the message).
+    """
+    if not enabled:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_NAME
+    f = open(path, "a+")  # noqa: SIM115 - held open for the body
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ValueError(f"--out-dir {str(out)!r} is in use by another mxmoe run (pid {holder}, lock "
+                             f"{str(path)!r}); wait for it to finish or pass another --out-dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
 def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.device,
            env: DistEnv | None) -> TrainResult:
     """The training loop of :func:`train` on ``device``: one process (``env`` None) or one
-    rank of an expert-parallel group (``env``)."""
+    rank of an expert-parallel group (``env``); rank 0 holds the out-dir lock."""
+    check_backend_device(cfg, device)
+    prepared = prepare_run(cfg, resume, corpus)  # every refusal before any file is written
+    main = env is None or env.rank == 0
+    with out_dir_lock(prepared.out, enabled=main):
+        if main and not resume and not cfg.overwrite and holds_run(prepared.out):  # written since the check
+            raise ValueError(f"--out-dir {str(prepared.out)!r} now holds a run (written by another process); pass "
+                             f"another --out-dir")
+        return _train_locked(cfg, device, env, prepared)
+
+
+def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, prepared: PreparedRun) -> TrainResult:
     P, rank = cfg.expert_parallel, env.rank if env is not None else 0
     main = rank == 0
     progress = cfg.progress and main
-    out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus)
+    out, corpus, val_sets, train_eval_sets, checkpoint = prepared
     if env is not None:
         # every rank has checked the out-dir (a run already there is refused by all of them
         # alike) before rank 0 writes into it below
