@@ -70,6 +70,9 @@ ABSURD_LOSS_MARGIN = 1.0
 MAX_SEED = 2**32 - 1
 # the advisory lock a run holds on its --out-dir while it writes there (fcntl.flock)
 LOCK_NAME = ".mxmoe.lock"
+# the checkpoint key of the training corpus's token hash (Corpus.fingerprint): a resume
+# compares corpora by their tokens, not by how --data is spelled
+DATA_HASH_KEY = "data_sha256"
 
 
 @dataclass
@@ -278,13 +281,15 @@ def _log(msg: str, progress: bool) -> None:
 class PreparedRun(NamedTuple):
     """What :func:`prepare_run` read: the output directory, the corpus, the fixed eval
     batches of each split ((x, y) int64 (batch_size, seq_len) pairs) and, on resume, the
-    loaded checkpoint (None otherwise)."""
+    loaded checkpoint (None otherwise); ``data_sha256``, the corpus's
+    :meth:`~mxmoe.train.data.Corpus.fingerprint` (stored in checkpoints)."""
 
     out: Path
     corpus: Corpus
     val_sets: list
     train_eval_sets: list
     checkpoint: dict | None
+    data_sha256: str
 
 
 def holds_run(out: Path) -> bool:
@@ -421,11 +426,20 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
     val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     checkpoint = None
+    data_sha256 = corpus.fingerprint()
     if resume:
         _, checkpoint, saved = load_training_checkpoint(out)
         _check_ranks(cfg, checkpoint, out)
+        # the corpus by its tokens when the checkpoint has their hash (the path may be
+        # spelled differently, or name another file), else by the --data text
+        by_tokens = isinstance(checkpoint.get(DATA_HASH_KEY), str)
+        if by_tokens and checkpoint[DATA_HASH_KEY] != data_sha256:
+            raise ValueError(f"--data {cfg.data!r} holds other tokens than the corpus the checkpoint in {str(out)!r} "
+                             f"was trained on (--data {saved.data!r} then; {corpus.describe()} now): resume with that "
+                             f"corpus, or start a new run in another --out-dir")
+        may_change = RESUME_MAY_CHANGE + (("data",) if by_tokens else ())
         mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
-                      if k not in RESUME_MAY_CHANGE]
+                      if k not in may_change]
         if mismatched:
             raise ValueError("--resume with settings that differ from the checkpoint's: "
                              + "; ".join(f"{_setting_name(k)}: checkpoint {a!r}, now {b!r}"
@@ -434,7 +448,7 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
         if checkpoint["step"] >= cfg.steps:
             raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
                              f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
-    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint)
+    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint, data_sha256)
 
 
 def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
@@ -552,7 +566,7 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     P, rank = cfg.expert_parallel, env.rank if env is not None else 0
     main = rank == 0
     progress = cfg.progress and main
-    out, corpus, val_sets, train_eval_sets, checkpoint = prepared
+    out, corpus, val_sets, train_eval_sets, checkpoint, data_sha256 = prepared
     if env is not None:
         # every rank has checked the out-dir (a run already there is refused by all of them
         # alike) before rank 0 writes into it below
@@ -633,14 +647,14 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
                                      f"{_last_good(out, last_ckpt[0])}; lower --lr or check the data")
         if env is None:
             save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+                                  "train_config": cfg.to_dict(), "expert_parallel": P, DATA_HASH_KEY: data_sha256})
             last_ckpt[0] = step
             return
         gathered = gather_state(model, opt)
         if main:
             model_state, opt_states = gathered
             save_checkpoint(out, {"step": step, "model": model_state, "optimizer": opt_states,
-                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+                                  "train_config": cfg.to_dict(), "expert_parallel": P, DATA_HASH_KEY: data_sha256})
         last_ckpt[0] = step
         dist.barrier()  # the checkpoint is on disk before any rank goes on
 
