@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The `mxmoe` entry point: parse ``argv`` (default sys.argv[1:]) with presets, run the
-    subcommand; returns the exit status: 2 with a one-line message for refused input, 1 for
-    a run of non-finite steps (``--max-bad-steps``), 130 when interrupted."""
+    subcommand; returns the exit status: 2 with a one-line message for refused input or a
+    path that cannot be used (permissions, not a directory, disk full), 1 for a run of
+    non-finite steps (``--max-bad-steps``), 130 when interrupted."""
     args, overridden = parse_with_preset(build_parser, sys.argv[1:] if argv is None else argv)
     if getattr(args, "preset", None):
         print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))
@@ -196,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"mxmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that cannot be used: permissions, not a directory, disk full
+        where = f" {e.filename!r}" if e.filename else ""
+        reason = e.strerror or " ".join(str(e).split())
+        print(f"mxmoe {args.command}: error: cannot use{where}: {reason}; check the path, its permissions and "
+              f"the free space", file=sys.stderr)
         return 2
     except FloatingPointError as e:
         print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far", file=sys.stderr)
