@@ -201,6 +201,8 @@ def _check_args(a: Tensor, w: Tensor, offsets: Tensor, fn: str, a_name: str, dim
     if a.dim() != 2 or w.dim() != 3 or w.shape[w_dim] != a.shape[1]:
         raise ValueError(f"expected {a_name} (T, {dim}) and w (E, N, K) with the same {dim}, got {tuple(a.shape)} "
                          f"and {tuple(w.shape)}")
+    if a.shape[1] == 0:
+        raise ValueError(f"{a_name} has {dim} = 0 (shape {tuple(a.shape)}); {fn} needs {dim} >= 1")
     if offsets.shape != (w.shape[0],):
         raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
     if not (a.device == w.device == offsets.device):
