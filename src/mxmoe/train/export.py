@@ -51,7 +51,7 @@ from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
 from .checkpoint import atomic_write_bytes, resolve_checkpoint_path
 from .data import eval_batches, load_corpus
-from .trainer import TrainConfig, evaluate, resolve_device
+from .trainer import TrainConfig, check_model_state, evaluate, resolve_device
 from .trainer import load_training_checkpoint as load_checkpoint_of_run
 
 EXPORT_FORMATS = ("mxfp8", "bf16")
@@ -195,7 +195,9 @@ def load_export(path: str | Path) -> Source:
     exactly to float32 with :func:`mxmoe.dequantize_mx`, bf16 tensors widened to float32.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not an mxmoe export.
+        FileNotFoundError: no such file. ValueError: not an mxmoe export, or a malformed
+        one (metadata fields or tensors missing or of the wrong kind, weights that do not
+        fit the model of its settings), in one line naming the file.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -214,16 +216,29 @@ def load_export(path: str | Path) -> Source:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{str(path)!r} has export format version {meta.get('format_version')}; "
                          f"this mxmoe reads version {FORMAT_VERSION}")
-    mode = ScaleMode.parse(meta["scale_mode"])
-    state = {}
-    for key, shape in meta["quantized"].items():
-        qdata = tensors.pop(key + DATA_SUFFIX)
-        scale = tensors.pop(key + SCALE_SUFFIX).view(torch.float8_e8m0fnu)
-        mx = MXTensor(qdata, scale, ElemFormat.parse(meta["elem_format"]), meta["block_size"], qdata.dim() - 1,
-                      mode, shape[-1])
-        state[key] = dequantize_mx(mx, torch.float32)
-    state.update({k: v.float() for k, v in tensors.items()})
-    return Source(meta["format"], TrainConfig.from_dict(meta["train"]), state, int(meta["step"]), path)
+    try:  # every field and tensor the metadata names, read as the layout of the module docstring says
+        mode = ScaleMode.parse(meta["scale_mode"])
+        state = {}
+        for key, shape in meta["quantized"].items():
+            qdata = tensors.pop(key + DATA_SUFFIX)
+            scale = tensors.pop(key + SCALE_SUFFIX).view(torch.float8_e8m0fnu)
+            mx = MXTensor(qdata, scale, ElemFormat.parse(meta["elem_format"]), meta["block_size"], qdata.dim() - 1,
+                          mode, shape[-1])
+            state[key] = dequantize_mx(mx, torch.float32)
+            if list(state[key].shape) != list(shape):
+                raise ValueError(f"{key} dequantizes to {tuple(state[key].shape)}, the metadata says {tuple(shape)}")
+        state.update({k: v.float() for k, v in tensors.items()})
+        cfg = TrainConfig.from_dict(meta["train"])
+        cfg.validate()
+        step = meta["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not an integer >= 0")
+        kind = meta["format"]
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, RuntimeError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
+        raise ValueError(f"{str(path)!r} is not a well-formed mxmoe export ({type(e).__name__}: {what})") from None
+    check_model_state(path, state, cfg.model)
+    return Source(kind, cfg, state, step, path)
 
 
 def load_source(path: str | Path) -> Source:
