@@ -55,7 +55,7 @@ def tensor_offset(path: Path, t: torch.Tensor) -> int:
 
 
 def test_a_checkpoint_holds_checksums_that_load_verifies(run_dir):
-    raw = torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)
+    raw = torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
     sums = raw[CHECKSUMS_KEY]
     assert sums["algorithm"] == "sha256" and "model/embed" in sums["tensors"]
     assert any(k.startswith("optimizer/state/") for k in sums["tensors"])
@@ -101,7 +101,7 @@ def test_a_flip_in_tensor_data_names_the_tensor(run_dir, tmp_path, name):
 @pytest.mark.parametrize("edit", ["step", "lr", "tensor", "drop tensor", "checksums"])
 def test_values_edited_after_writing_are_refused(run_dir, tmp_path, edit):
     path = copy_run(run_dir, tmp_path / "r")
-    raw = torch.load(path, weights_only=True)
+    raw = torch.load(path, map_location="cpu", weights_only=True)
     if edit == "step":
         raw["step"] = 1
     elif edit == "lr":

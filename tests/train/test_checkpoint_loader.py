@@ -40,7 +40,7 @@ def run_dir(tmp_path_factory, corpus) -> Path:
 
 def _edit(path: Path, fn) -> None:
     """Rewrite the checkpoint with ``fn`` applied (checksums recomputed: a well-formed file)."""
-    ckpt = torch.load(path, weights_only=True)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
     ckpt.pop(CHECKSUMS_KEY)
     fn(ckpt)
     save_checkpoint(path.parent, ckpt)
