@@ -300,9 +300,11 @@ class MetricsTrim(NamedTuple):
         return f"{name}: kept {self.kept} lines, dropped " + " and ".join(parts)
 
 
-def _metrics_record(raw: bytes) -> dict | None:
-    """The JSON object of one metrics line, None when the line is damaged. NUL bytes around
-    a line (what a crash can leave in a file's last block) are removed first."""
+def parse_metrics_line(raw: bytes) -> dict | None:
+    """The JSON object of one metrics line (bytes, without its newline), None when the
+    line is damaged: torn, NUL bytes inside, not UTF-8, not a JSON object, or a ``step``
+    that is not an integer. NUL bytes around a line (what a crash can leave in a file's
+    last block) are removed first."""
     line = raw.strip(b"\0").strip()
     if b"\0" in line:
         return None
@@ -329,7 +331,7 @@ def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:
     for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
         if not raw.strip():
             continue
-        record = _metrics_record(raw)
+        record = parse_metrics_line(raw)
         if record is None:
             damaged.append(number)
         elif record.get("step", 0) > last_step:
