@@ -16,13 +16,16 @@ names the value and what would work, before any model is built or any file is wr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS
 from ..recipe import RECIPES
 from ..distributed.launch import is_main_process
 from ..train import TrainConfig, load_corpus, train
+from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
 from .presets import add_preset_argument, parse_with_preset
 
 
@@ -52,8 +55,10 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--quant-backend", default=d.quant_backend, choices=list(BACKENDS),
                    help="MX quantizer: auto (Triton kernels on CUDA), reference (pure torch) or triton; "
                         "all give the same bits (default: %(default)s)")
-    g.add_argument("--dtype", default=m.dtype, choices=["bfloat16", "float32", "float16"],
-                   help="activation dtype (parameters are float32) (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="activation dtype (parameters are float32); auto: bfloat16 on CUDA and on CPUs with native "
+                        "bf16 (AVX512-BF16 or AMX), float32 on other CPUs, the resumed run's with --resume "
+                        "(default: %(default)s)")
 
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=m.n_layers, help="transformer blocks (default: %(default)s)")
@@ -127,12 +132,36 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
                         "bf16); without --expert-parallel, the same rounding in one process")
 
 
+def resolve_dtype_flag(args: argparse.Namespace) -> str | None:
+    """Replace ``--dtype auto`` in ``args`` by a dtype: the resumed run's (its config.json)
+    with ``--resume``, else :func:`~mxmoe.train.trainer.default_activation_dtype` of the
+    device. Returns the line that says which and why (None when --dtype was given).
+
+    Raises:
+        ValueError: an unknown ``--device``.
+    """
+    if args.dtype != "auto":
+        return None
+    if getattr(args, "resume", False):
+        try:
+            saved = json.loads((Path(args.out_dir) / CONFIG_NAME).read_text())["train"]["model"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = None
+        if saved in ("bfloat16", "float32", "float16"):
+            args.dtype = saved
+            return f"activation dtype {saved}: the resumed run's (--dtype overrides)"
+    args.dtype, why = default_activation_dtype(resolve_device(args.device))
+    return f"activation dtype {args.dtype}: {why} (--dtype overrides)"
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
-    """Build and validate a TrainConfig from parsed flags.
+    """Build and validate a TrainConfig from parsed flags (``--dtype auto`` resolved by
+    :func:`resolve_dtype_flag` first, if not already).
 
     Raises:
         ValueError: a bad combination (for example top-k > experts).
     """
+    resolve_dtype_flag(args)
     model = ModelConfig(
         vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,
         n_layers=args.layers, n_heads=args.heads,
@@ -158,6 +187,9 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     """`mxmoe train`: load the corpus, build the TrainConfig from the flags, train (or
     resume); returns the exit status."""
+    note = resolve_dtype_flag(args)
+    if note and is_main_process():
+        print(note, flush=True)
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
     r = train(cfg, resume=args.resume, corpus=corpus)
