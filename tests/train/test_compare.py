@@ -18,8 +18,9 @@ from mxmoe.models import ModelConfig, MoETransformer
 from mxmoe.train import TrainConfig, train
 from mxmoe.train.compare import (
     PEAK_BF16_TFLOPS, SPEED_TARGET_RATIO, VAL_LOSS_GAP_TARGET_PCT, build_report, mfu, moving_average,
-    parse_recipes, peak_tflops_for, plan_runs, recipe_config, run_compare,
+    parse_recipes, peak_tflops_for, plan_runs, recipe_config, run_compare, summarize_run,
 )
+from mxmoe.train.compare import read_metrics as library_read_metrics
 
 TINY_FLAGS = ["--layers", "2", "--width", "64", "--heads", "2", "--experts", "4", "--top-k", "2",
               "--expert-width", "64", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
@@ -466,3 +467,42 @@ def test_report_says_the_cpu_speed_ratio_is_an_emulation_only_on_the_cpu(tmp_pat
         fake_run(tmp_path / "cpu", recipe, val=2.0, ms=10.0, mem=1.0)
     assert "emulated" not in build_report(tmp_path / "gpu").read_text()
     assert "quantized recipes are emulated" in build_report(tmp_path / "cpu").read_text()
+
+
+# ---- damaged inputs of mxmoe report: damaged metrics lines are skipped wherever they are and
+# the report reads every valid line; a damaged config.json is refused in one line naming it
+
+DAMAGE = {
+    "torn": b'{"kind": "train", "st',
+    "nul bytes": b"\0" * 30,
+    "nul inside": b'{"kind": "train", "step": 3\0, "loss": 1.0}',
+    "not utf-8": b"\xff\xfe{}",
+    "a json list": b"[1, 2]",
+    "a train line without loss": b'{"kind": "train", "step": 3, "ms_per_step": 1.0}',
+    "an eval line without val_loss": b'{"kind": "eval", "step": 3}',
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_metrics_lines_are_skipped_wherever_they_are(tmp_path, damage):
+    run = fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0)
+    path = run / "metrics.jsonl"
+    good = path.read_bytes().split(b"\n")[:-1]
+    want = library_read_metrics(path)
+    damaged = good[:3] + [DAMAGE[damage]] + good[3:20] + [DAMAGE[damage]] + good[20:]
+    path.write_bytes(b"\n".join(damaged) + b"\n")
+    assert library_read_metrics(path) == want  # every valid line, the ones after the damage included
+    s = summarize_run(run)
+    assert s.finished and s.train_curve[-1][0] == 40
+    fake_run(tmp_path, "mxfp8", val=2.05, ms=200.0, mem=1.2)
+    assert "| bf16 |" in build_report(tmp_path).read_text()
+
+
+@pytest.mark.parametrize("config", [b"", b"{not json", b"\xff\xfe", b"[1]", b'{"train": 5}', b'{"train": {}}'])
+def test_a_damaged_config_is_refused_in_one_line(tmp_path, capsys, config):
+    run = fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0)
+    (run / "config.json").write_bytes(config)
+    rc = main(["report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{str(run / 'config.json')!r} is damaged or not an mxmoe run's config" in err

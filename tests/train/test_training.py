@@ -261,7 +261,9 @@ def test_cli_train_end_to_end_loss_falls(tmp_path, text_file, capsys):
                "--lr", "3e-3", "--out-dir", str(out)])
     assert rc == 0
     evals = [m for m in read_metrics(out) if m["kind"] == "eval"]
-    assert evals[0]["val_loss"] > 5.0 and evals[-1]["val_loss"] < 3.6
+    # the corpus is this package's source, so the split's content (and the final loss)
+    # moves with every edit: ask for a fall, not a level
+    assert evals[0]["val_loss"] > 5.0 and evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.5
     assert "done: 40 steps" in capsys.readouterr().out
 
 

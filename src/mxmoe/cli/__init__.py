@@ -16,6 +16,7 @@ names the value and what would work, before any model is built or any file is wr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ..distributed.launch import is_main_process
 from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
+from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
 from .presets import add_preset_argument, parse_with_preset
 
 
@@ -52,8 +54,10 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--quant-backend", default=d.quant_backend, choices=list(BACKENDS),
                    help="MX quantizer: auto (Triton kernels on CUDA), reference (pure torch) or triton; "
                         "all give the same bits (default: %(default)s)")
-    g.add_argument("--dtype", default=m.dtype, choices=["bfloat16", "float32", "float16"],
-                   help="activation dtype (parameters are float32) (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="activation dtype (parameters are float32); auto: bfloat16 on CUDA and on CPUs with native "
+                        "bf16 (AVX512-BF16 or AMX), float32 on other CPUs, the resumed run's with --resume "
+                        "(default: %(default)s)")
 
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=m.n_layers, help="transformer blocks (default: %(default)s)")
@@ -99,6 +103,9 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="max global gradient norm, 0 to disable (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="initialization and data-order seed (default: %(default)s)")
+    g.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps, metavar="N",
+                   help="a step whose loss or gradient norm is NaN or inf is skipped (no update) and marked in the "
+                        "metrics; stop with exit status 1 after N such steps in a row (default: %(default)s)")
 
     g = p.add_argument_group("run")
     g.add_argument("--eval-interval", type=int, default=d.eval_interval,
@@ -130,12 +137,36 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
                         "bf16); without --expert-parallel, the same rounding in one process")
 
 
+def resolve_dtype_flag(args: argparse.Namespace) -> str | None:
+    """Replace ``--dtype auto`` in ``args`` by a dtype: the resumed run's (its config.json)
+    with ``--resume``, else :func:`~mxmoe.train.trainer.default_activation_dtype` of the
+    device. Returns the line that says which and why (None when --dtype was given).
+
+    Raises:
+        ValueError: an unknown ``--device``.
+    """
+    if args.dtype != "auto":
+        return None
+    if getattr(args, "resume", False):
+        try:
+            saved = json.loads((Path(args.out_dir) / CONFIG_NAME).read_text())["train"]["model"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = None
+        if saved in ("bfloat16", "float32", "float16"):
+            args.dtype = saved
+            return f"activation dtype {saved}: the resumed run's (--dtype overrides)"
+    args.dtype, why = default_activation_dtype(resolve_device(args.device))
+    return f"activation dtype {args.dtype}: {why} (--dtype overrides)"
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
-    """Build and validate a TrainConfig from parsed flags.
+    """Build and validate a TrainConfig from parsed flags (``--dtype auto`` resolved by
+    :func:`resolve_dtype_flag` first, if not already).
 
     Raises:
         ValueError: a bad combination (for example top-k > experts).
     """
+    resolve_dtype_flag(args)
     model = _hf_model_config(args, vocab_size) if getattr(args, "hf_config", None) else ModelConfig(
         vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,
         n_layers=args.layers, n_heads=args.heads,
@@ -151,7 +182,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
         progress=not args.no_progress and sys.stderr.isatty(), overwrite=args.overwrite,
-        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, model=model,
+        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, max_bad_steps=args.max_bad_steps,
+        model=model,
     )
     cfg.validate()
     return cfg
@@ -190,6 +222,9 @@ def _hf_model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     """`mxmoe train`: load the corpus, build the TrainConfig from the flags, train (or
     resume); returns the exit status."""
+    note = resolve_dtype_flag(args)
+    if note and is_main_process():
+        print(note, flush=True)
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
     r = train(cfg, resume=args.resume, corpus=corpus)
@@ -219,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The `mxmoe` entry point: parse ``argv`` (default sys.argv[1:]) with presets, run the
-    subcommand; returns the exit status: 2 with a one-line message for refused input, 1 for
-    a non-finite loss, 130 when interrupted."""
+    subcommand; returns the exit status: 2 with a one-line message for refused input or a
+    path that cannot be used (permissions, not a directory, disk full), 1 for a run of
+    non-finite steps (``--max-bad-steps``), 130 when interrupted."""
     args, overridden = parse_with_preset(build_parser, sys.argv[1:] if argv is None else argv)
     if getattr(args, "preset", None):
         print(f"preset {args.preset}" + (f" (overridden by flags: {', '.join(overridden)})" if overridden else ""))
@@ -229,9 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"mxmoe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be used: permissions, not a directory, disk full
+        where = f" {e.filename!r}" if e.filename else ""
+        reason = e.strerror or " ".join(str(e).split())
+        print(f"mxmoe {args.command}: error: cannot use{where}: {reason}; check the path, its permissions and "
+              f"the free space", file=sys.stderr)
+        return 2
     except FloatingPointError as e:
-        print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far and "
-              f"checkpoint.pt the last checkpoint", file=sys.stderr)
+        print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"mxmoe {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",

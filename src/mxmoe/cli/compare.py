@@ -33,8 +33,11 @@ def _positive_float(text: str) -> float:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """`mxmoe compare`: train the same model under each recipe in turn, then write the side-by-side report."""
-    from . import config_from_args
+    from . import config_from_args, resolve_dtype_flag
 
+    note = resolve_dtype_flag(args)
+    if note:
+        print(note, flush=True)
     corpus = load_corpus(args.data)
     args.recipe = args.recipes[0]
     cfg = config_from_args(args, corpus.vocab_size)

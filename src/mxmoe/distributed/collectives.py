@@ -144,7 +144,8 @@ def all_to_all_rows(x_RC: Tensor, recv_splits: list[int], send_splits: list[int]
 
 
 class AllToAllRows(torch.autograd.Function):
-    """Differentiable :func:`all_to_all_rows`; the backward is the reverse exchange.
+    """Differentiable :func:`all_to_all_rows`; the backward is the reverse exchange, itself
+    an ``AllToAllRows`` (so differentiable again: double backward is supported).
 
     ``AllToAllRows.apply(x_RC, recv_splits, send_splits, group, stats, kind)``.
     """
@@ -158,5 +159,5 @@ class AllToAllRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_RC: Tensor):
         """The reverse all-to-all of the gradient rows (splits swapped)."""
-        dx = all_to_all_rows(dy_RC, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
+        dx = AllToAllRows.apply(dy_RC, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
         return dx, None, None, None, None, None

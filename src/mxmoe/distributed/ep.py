@@ -125,7 +125,8 @@ def _check_wire_recipe(recipe: Recipe) -> None:
 class _MXDispatch(torch.autograd.Function):
     """Forward: all-to-all of packed MXFP8 rows, dequantized on arrival. Backward: the
     reverse all-to-all of the gradient rows in the activation dtype (straight through the
-    rounding, as :func:`mxmoe.nn.moe.mx_round_rows`)."""
+    rounding, as :func:`mxmoe.nn.moe.mx_round_rows`), an :class:`AllToAllRows`: differentiable
+    again (double backward is supported)."""
 
     @staticmethod
     def forward(ctx, x_AD: Tensor, packed_AB: Tensor, d_model: int, recipe: Recipe, recv_splits, send_splits,
@@ -136,7 +137,7 @@ class _MXDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_RD: Tensor):
-        dx_AD = all_to_all_rows(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "dispatch.grad")
+        dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "dispatch.grad")
         return dx_AD, None, None, None, None, None, None, None
 
 

@@ -26,6 +26,8 @@ from ..recipe import Recipe, get_recipe
 
 QUANTIZABLE = ("experts", "attention", "dense", "lm_head")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# the largest vocabulary accepted: 4x the largest tokenizers in use (about 256k ids)
+MAX_VOCAB_SIZE = 2**20
 
 
 @dataclass
@@ -89,6 +91,10 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size {self.vocab_size:,} exceeds {MAX_VOCAB_SIZE:,} (its embedding and LM head "
+                             f"alone would take {2 * 4 * self.vocab_size * self.d_model / 2**30:,.1f} GiB in float32); "
+                             f"use the corpus's vocabulary (256 for bytes, at most 65,536 for a uint16 .bin file)")
         if isinstance(self.shared_expert, bool) or not isinstance(self.shared_expert, int) or self.shared_expert < 0:
             raise ValueError(f"shared_expert must be an integer >= 0 (0: none), got {self.shared_expert!r}")
         for name in ("aux_loss_coef", "z_loss_coef"):

@@ -36,6 +36,7 @@ from ..ops import mx_grouped_mm, mx_linear
 from ..ops.backend import use_native_mx_grouped_mm
 from ..ops.combine import combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
+from ..ops.quantize import check_weight_dtype
 from ..recipe import Recipe, get_recipe
 from .recipe_module import RecipeModule
 
@@ -59,7 +60,8 @@ class RouterOutput:
 
 class _Float32Linear(torch.autograd.Function):
     """logits = float32(x) @ float32(W)^T, saving x in its own dtype (bf16: half the bytes
-    of the float32 copy F.linear would keep); the backward repeats F.linear's float32 math."""
+    of the float32 copy F.linear would keep); the backward repeats F.linear's float32 math
+    in differentiable torch ops, so double backward is supported."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, w_ED: Tensor) -> Tensor:
@@ -403,6 +405,8 @@ class MoE(RecipeModule, nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)
+        check_weight_dtype(self.experts.w13, "experts.w13", "MoE", self._recipe)
+        check_weight_dtype(self.experts.w2, "experts.w2", "MoE", self._recipe)
         y_TD, counts_E, fused = routed_experts(x_TD, r.experts_Tk, r.weights_Tk, self.experts.w13, self.experts.w2,
                                                self._recipe, self.fused, self.mx_dispatch)
         if self.shared is not None:
@@ -526,6 +530,8 @@ class GroupedExperts(RecipeModule, nn.Module):
             lo, hi = int(experts_Tk.min()), int(experts_Tk.max())
             if lo < 0 or hi >= self.n_experts:
                 raise ValueError(f"expert indices must be in [0, {self.n_experts}), got values in [{lo}, {hi}]")
+        check_weight_dtype(self.w13, "GroupedExperts.w13", "GroupedExperts", self._recipe)
+        check_weight_dtype(self.w2, "GroupedExperts.w2", "GroupedExperts", self._recipe)
         y_TD, counts_E, fused = routed_experts(x_TD, experts_Tk, weights_Tk, self.w13, self.w2, self._recipe,
                                                self.fused)
         self.last_tokens_per_expert = counts_E.detach()

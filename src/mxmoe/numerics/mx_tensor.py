@@ -115,8 +115,10 @@ def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
         raise ValueError("x is a 0-d tensor; quantize_mx needs at least one dimension to block")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (the OCP MX value is 32), got {block_size!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int (the dimension to block), got {dim!r} of type {type(dim).__name__}")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-d tensor")
+        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-d tensor; use a dim in [{-x.dim()}, {x.dim() - 1}]")
     return dim % x.dim()
 
 

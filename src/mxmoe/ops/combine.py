@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..numerics.mx_tensor import MXTensor
 from ..recipe import Recipe
+from .autograd import no_double_backward
 from .backend import use_triton_for
 from .quantize import dequantize_mx, fake_quantize_operand, quantize_mx
 
 
 class _MXRoundRows(torch.autograd.Function):
-    """Forward: quantize-dequantize rows along D; backward: the identity (straight through)."""
+    """Forward: quantize-dequantize rows along D; backward: the identity (straight through).
+    Differentiable twice: the backward is the identity, whose derivative is the identity."""
 
     @staticmethod
     def forward(ctx, x_TD: Tensor, recipe: Recipe) -> Tensor:
@@ -116,7 +117,8 @@ class _CombineFP8(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    @once_differentiable
+    @no_double_backward("the MXFP8-saving MoE combine", "combine without MXFP8 saving (combine_weighted with "
+                        "fp8_recipe=None: plain autograd, differentiable twice)")
     def backward(ctx, dy_TD: Tensor):
         q, s, order_A, w_Tk = ctx.saved_tensors
         recipe, D, w_dtype, fused = ctx.meta

@@ -24,9 +24,11 @@ from torch import Tensor
 
 from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
+from .autograd import no_double_backward
 from .backend import GroupedGemmBackend, grouped_gemm_backend, widen_weight_grad
+from .offsets import check_offsets_values
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
-from .quantize import fake_quantize_grouped_tokens_pair, fake_quantize_operand
+from .quantize import check_weight_dtype, fake_quantize_grouped_tokens_pair, fake_quantize_operand
 from .sm100 import native_grouped_mm_nn, native_grouped_mm_nt, native_grouped_mm_tn
 from .weight_cache import active_cache, dgrad_operand, weight_operands
 
@@ -57,6 +59,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         return grouped_mm_nt(xq_TK, wq_ENK, offsets_E).to(dtype)  # (T, K) x (E, N, K) -> (T, N)
 
     @staticmethod
+    @no_double_backward("mx_grouped_mm", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_TN: Tensor):
         x_TK, w_ENK, offsets_E = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
@@ -131,7 +134,9 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     The implementation follows :func:`mxmoe.ops.backend.grouped_gemm_backend`, as in the backward.
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w, "w", "mx_grouped_mm_dgrad", recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
+    check_offsets_values(offsets, dy.shape[0], "mx_grouped_mm_dgrad")
     with torch.no_grad():  # the backward's computation: no graph for any recipe
         dy = dy.contiguous()
         backend = grouped_gemm_backend("dgrad", dy, w, offsets, recipe, weight_cached=active_cache(w) is not None)
@@ -146,7 +151,12 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
 # tracing of them returned zero gradients on the H200 (torch 2.11; root cause not pinned
 # down), and their kernels are custom ops Inductor cannot fuse into anyway
 # (tests/nn/test_compile.py).
-_apply = torch.compiler.disable(_MXGroupedMMFunction.apply)
+@torch.compiler.disable
+def _apply(x_TK: Tensor, w_ENK: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+    """The offsets' values checked (:mod:`mxmoe.ops.offsets`; eager, so under
+    torch.compile too), then the op."""
+    check_offsets_values(offsets_E, x_TK.shape[0], "mx_grouped_mm")
+    return _MXGroupedMMFunction.apply(x_TK, w_ENK, offsets_E, recipe)
 
 
 def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
@@ -157,21 +167,26 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
             dtype with float32 accumulation.
         w: (E, N, K) expert weights (any float dtype, usually float32 master weights).
         offsets: (E,) int32 (or int64) on x's device: cumulative end row of each expert
-            (non-decreasing, offsets[-1] <= T). Rows past offsets[-1] are ignored.
+            (0 <= offsets[0], non-decreasing, offsets[-1] <= T: the contract in
+            :mod:`mxmoe.ops.offsets`). Rows past offsets[-1] are ignored.
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name.
 
     Returns:
         (T, N) in x's dtype; rows past offsets[-1] are zeros.
 
     Raises:
-        TypeError: x not float32/bfloat16/float16, offsets not an integer tensor.
-        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ.
+        TypeError: x not float32/bfloat16/float16, offsets not int32/int64.
+        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ;
+            offsets that break the contract (a negative start, a decrease, past T): checked
+            on the CPU, and on CUDA only with ``MXMOE_CHECK_OFFSETS=1`` (no host sync by
+            default).
 
     Gradients flow to x and w (not offsets). K, N and group sizes need not be multiples of
     32 (zero padded, exact). Under ``torch.compile`` the op runs eagerly, with a graph
     break on each side (module note at ``_apply``).
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w, "w", "mx_grouped_mm", recipe)
     _check_args(x, w, offsets, "mx_grouped_mm", "x", "K")
     return _apply(x, w, offsets, recipe)
 
@@ -187,6 +202,8 @@ def _check_args(a: Tensor, w: Tensor, offsets: Tensor, fn: str, a_name: str, dim
     if a.dim() != 2 or w.dim() != 3 or w.shape[w_dim] != a.shape[1]:
         raise ValueError(f"expected {a_name} (T, {dim}) and w (E, N, K) with the same {dim}, got {tuple(a.shape)} "
                          f"and {tuple(w.shape)}")
+    if a.shape[1] == 0:
+        raise ValueError(f"{a_name} has {dim} = 0 (shape {tuple(a.shape)}); {fn} needs {dim} >= 1")
     if offsets.shape != (w.shape[0],):
         raise ValueError(f"offsets must have shape (E,) = ({w.shape[0]},), got {tuple(offsets.shape)}")
     if not (a.device == w.device == offsets.device):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
-from .quantize import fake_quantize_operand, fake_quantize_rowcol
+from .autograd import no_double_backward
+from .quantize import check_weight_dtype, fake_quantize_operand, fake_quantize_rowcol
 from .weight_cache import dgrad_operand, weight_operands
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,6 +53,8 @@ class _MXLinearFunction(torch.autograd.Function):
         return xq_TK @ wq_NK.t()  # (T, K) @ (K, N) -> (T, N)
 
     @staticmethod
+    @no_double_backward("mx_linear under a quantizing recipe", "run the layers that need second-order gradients "
+                        "under recipe 'bf16' (mx_linear is then F.linear) or call torch.nn.functional.linear")
     def backward(ctx, dy_TN: Tensor):
         x_wgrad_TK, w_NK = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
@@ -103,10 +106,20 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     is F.linear and compiles.
     """
     recipe = get_recipe(recipe)
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"mx_linear takes tensors x and w, got {type(x).__name__} and {type(w).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x is a 0-d tensor; mx_linear takes x of shape (..., K)")
     if x.dtype not in _ACT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; mx_linear takes float32, bfloat16 or float16")
+    check_weight_dtype(w, "w", "mx_linear", recipe)
     if w.dim() != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"w must be (N, K) with K = x.shape[-1] = {x.shape[-1]}, got {tuple(w.shape)}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"x has K = 0 features (shape {tuple(x.shape)}); mx_linear needs K >= 1")
+    if x.device != w.device:
+        raise ValueError(f"x and w must be on one device, got x on {x.device} and w on {w.device}; move w with "
+                         f"w.to(x.device)")
     if not recipe.quantize:
         return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).to(x.dtype)
     lead = x.shape[:-1]

@@ -39,15 +39,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..numerics.formats import ElemFormat
 from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor
+from .autograd import no_double_backward
 from .backend import use_triton_for, widen_weight_grad
+from .offsets import check_offsets_values
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import (
+    check_weight_dtype,
     dequantize_mx,
     fake_quantize_grouped_tokens,
     fake_quantize_grouped_tokens_pair,
@@ -175,7 +177,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
-    @once_differentiable  # the quantizers have no useful second derivative: refuse double backward
+    @no_double_backward("mx_moe_experts", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_AD: Tensor):
         w13, w2, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
@@ -222,11 +224,9 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
     sync), then the op. Eager under torch.compile (the note at
     ``mxmoe.ops.grouped_mm._apply``), so the checks hold there too."""
     T, A = x_TD.shape[0], src_A.numel()
+    check_offsets_values(offsets_E, A, "mx_moe_experts", exact=True)  # every row belongs to an expert
     if x_TD.device.type == "cpu" and A:
         k = A // T
-        if int(offsets_E[-1]) != A:
-            raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} but src_A has {A} rows: every row must "
-                             f"belong to an expert")
         if not bool((torch.bincount(src_A, minlength=T) == k).all()):
             raise ValueError(f"every token must appear exactly k = {k} times in src_A")
     return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
@@ -240,24 +240,44 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         x_TD: (T, D) bfloat16 token activations (not permuted).
         src_A: (A,) int64, the token of each routed row, rows sorted by expert; every token
             appears exactly k = A / T times.
-        offsets_E: (E,) int32 cumulative row ends per expert, offsets[-1] == A (every row
-            belongs to an expert: the GEMMs skip zeroing rows past the end).
-        w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F).
+        offsets_E: (E,) int32 cumulative row ends per expert: 0 <= offsets[0],
+            non-decreasing, offsets[-1] == A (every row belongs to an expert: the GEMMs
+            skip zeroing rows past the end; the contract in :mod:`mxmoe.ops.offsets`).
+        w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F), the same E, D and F.
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name, for which :func:`supports_fused_experts` holds.
 
     Returns:
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
-        ValueError: unsupported recipe or shapes, activations not bf16; on the CPU also
-            offsets[-1] != A or a token not appearing exactly k times (on CUDA these
-            preconditions are not checked: it would cost a host sync).
+        TypeError: offsets not int32, src_A not an integer tensor.
+        ValueError: unsupported recipe or shapes (x (T, D), w13 (E, 2F, D), w2 (E, D, F),
+            offsets (E,), src_A (A,)), activations not bf16; on the CPU also offsets that
+            break the contract (a negative start, a decrease, offsets[-1] != A) or a token
+            not appearing exactly k times. On CUDA these values are not checked (it would
+            cost a host sync), except the offsets with ``MXMOE_CHECK_OFFSETS=1``.
 
     Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
     ``mxmoe.ops.grouped_mm._apply``).
     """
     recipe = get_recipe(recipe)
+    check_weight_dtype(w13_E2FD, "w13", "mx_moe_experts", recipe)
+    check_weight_dtype(w2_EDF, "w2", "mx_moe_experts", recipe)
+    if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2:
+        raise ValueError(f"w13 must be (E, 2F, D) [gate; up] weights, got shape {tuple(w13_E2FD.shape)}")
     E, F2, D = w13_E2FD.shape
+    if tuple(w2_EDF.shape) != (E, D, F2 // 2):
+        raise ValueError(f"w2 must be (E, D, F) = ({E}, {D}, {F2 // 2}) to match w13 (E, 2F, D) = "
+                         f"{tuple(w13_E2FD.shape)}, got {tuple(w2_EDF.shape)}")
+    if x_TD.dim() != 2 or x_TD.shape[1] != D:
+        raise ValueError(f"x must be (T, D) with D = {D} (w13's last dim), got {tuple(x_TD.shape)}")
+    if offsets_E.dtype != torch.int32:
+        raise TypeError(f"offsets must be int32 cumulative end rows, got dtype {offsets_E.dtype}")
+    if tuple(offsets_E.shape) != (E,):
+        raise ValueError(f"offsets must have shape (E,) = ({E},), one end row per expert, got {tuple(offsets_E.shape)}")
+    if src_A.dim() != 1 or src_A.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"src_A must be a 1-D int64 (or int32) tensor of token indices, got {src_A.dtype} of shape "
+                        f"{tuple(src_A.shape)}")
     if not supports_fused_experts(D, F2 // 2, recipe):
         raise ValueError(f"the fused MXFP8 expert op needs an FP8 recipe with block 32, no high-precision wgrad, "
                          f"and D, F multiples of 32; got recipe {recipe.name!r}, D={D}, F={F2 // 2}")

@@ -37,6 +37,25 @@ from ..numerics.qdq import torch_fake_quantize_mx
 from ..recipe import Recipe
 from .backend import TRITON_DTYPES, use_triton, use_triton_for
 
+MX_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_weight_dtype(w: Tensor, name: str, fn: str, recipe: Recipe) -> None:
+    """A weight that a quantizing ``recipe`` will quantize must be float32, bfloat16 or
+    float16 (what the MX quantizers read); raise a TypeError naming it (``name`` of
+    ``fn``) otherwise. The unquantized recipes cast weights to bf16 and take any float.
+
+    Raises:
+        TypeError: ``w`` not a floating-point tensor, or (quantizing recipe) not one of
+            float32, bfloat16, float16.
+    """
+    if not isinstance(w, Tensor) or not w.is_floating_point():
+        raise TypeError(f"{fn}: the weight {name} must be a floating-point tensor, got "
+                        f"{getattr(w, 'dtype', type(w).__name__)}")
+    if recipe.quantize and w.dtype not in MX_INPUT_DTYPES:
+        raise TypeError(f"{fn}: the weight {name} has dtype {w.dtype}; recipe {recipe.name!r} quantizes it and takes "
+                        f"float32, bfloat16 or float16 weights: cast it (e.g. .float()) or use recipe 'bf16'")
+
 
 def quantize_mx(
     x: Tensor,

@@ -6,21 +6,32 @@ any point leaves either the previous checkpoint or the new one, never a torn fil
 
 :func:`load_checkpoint` reads one with ``torch.load(weights_only=True)``: a file that would
 need the full pickle (one that could run code when loaded) is refused.
+
+Content hash: :func:`save_checkpoint` stores, under ``"checksums"``, the SHA-256 of each
+tensor (its dtype, shape and bytes) by its path in the state (``model/embed``,
+``optimizer/state/0/exp_avg``) and one SHA-256 of every other value (step, settings,
+hyperparameters) with its path. :func:`load_checkpoint` recomputes them and refuses a file
+whose content differs (flipped bytes, a tensor or value edited after writing). A checkpoint
+without ``"checksums"`` (written before they were stored) loads unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
+CHECKSUMS_KEY = "checksums"
+CHECKSUM_ALGORITHM = "sha256"
+_OTHER_VALUES = "values other than tensors"  # the key of the one hash of all non-tensor leaves
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,15 +71,69 @@ def atomic_write_bytes(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    h = hashlib.sha256(f"{t.dtype}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_checksums(state: Any) -> dict[str, Any]:
+    """The content hashes of a checkpoint state (a dict of dicts, lists, tuples, tensors and
+    plain values; ``"checksums"`` itself left out): ``{"algorithm": "sha256", "tensors":
+    {path: hex digest of dtype, shape and bytes}, "values other than tensors": hex digest of
+    every other leaf's path and repr}``. Paths join keys and indices with ``/``."""
+    tensors: dict[str, str] = {}
+    other = hashlib.sha256()
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors[path] = _tensor_digest(obj)
+            other.update(f"{path}:shape={tuple(obj.shape)}\n".encode())
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if not (path == "" and k == CHECKSUMS_KEY):
+                    walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        else:
+            other.update(f"{path}={obj!r}\n".encode())
+
+    walk(state, "")
+    return {"algorithm": CHECKSUM_ALGORITHM, "tensors": tensors, _OTHER_VALUES: other.hexdigest()}
+
+
 def save_checkpoint(out_dir: Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically. Temp
-    files of earlier writes that were killed (SIGKILL leaves them; a checkpoint can be
-    gigabytes) are removed first: one run writes to a directory at a time."""
+    """Write ``state`` (torch-serializable) to ``out_dir/checkpoint.pt`` atomically, with its
+    content hashes under ``"checksums"`` (:func:`state_checksums`; a ``"checksums"`` entry
+    of ``state`` is replaced). Temp files of earlier writes that were killed (SIGKILL leaves
+    them; a checkpoint can be gigabytes) are removed first: one run writes to a directory at
+    a time."""
     path = Path(out_dir) / CHECKPOINT_NAME
     for stale in Path(out_dir).glob(f".{CHECKPOINT_NAME}.*.tmp"):
         stale.unlink(missing_ok=True)
+    state = {**{k: v for k, v in state.items() if k != CHECKSUMS_KEY}, CHECKSUMS_KEY: state_checksums(state)}
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     return path
+
+
+def _verify_checksums(path: Path, ckpt: dict[str, Any]) -> None:
+    """Raise a one-line ValueError naming ``path`` and the first part whose content hash
+    differs from the one stored in it."""
+    stored = ckpt.pop(CHECKSUMS_KEY)
+    damaged = (f"{str(path)!r} is damaged: its content does not match the checksums stored in it "
+               f"(flipped bytes, or edited after it was written)")
+    if not isinstance(stored, dict) or stored.get("algorithm") != CHECKSUM_ALGORITHM \
+            or not isinstance(stored.get("tensors"), dict):
+        raise ValueError(f"{damaged}: its checksums entry is malformed; use an earlier checkpoint or start anew")
+    now = state_checksums(ckpt)
+    for name in sorted(set(now["tensors"]) | set(stored["tensors"])):
+        if now["tensors"].get(name) != stored["tensors"].get(name):
+            raise ValueError(f"{damaged}: tensor {name} differs; use an earlier checkpoint or start anew")
+    if now[_OTHER_VALUES] != stored.get(_OTHER_VALUES):
+        raise ValueError(f"{damaged}: a value other than a tensor (step, settings, shapes) differs; use an earlier "
+                         f"checkpoint or start anew")
 
 
 # what torch's weights_only unpickler says when a file asks for a global it does not allow
@@ -100,7 +165,54 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + text.split(". ", 1)[0][:200]
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False) -> dict[str, Any]:
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+    """The checkpoint file that ``path`` names: ``path/checkpoint.pt`` for a run directory
+    (existing or not, unless ``path`` ends in ``.pt``), else ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is a directory (a ``checkpoint.pt`` that is a directory).
+    """
+    path = Path(path)
+    if path.is_dir():
+        inner = path / CHECKPOINT_NAME
+        if inner.exists() or path.name != CHECKPOINT_NAME:
+            path = inner
+    elif not path.exists() and path.suffix != ".pt":
+        path = path / CHECKPOINT_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r}: it does not exist; pass a run directory, its "
+                                f"{CHECKPOINT_NAME} or (to eval) an mxmoe export; to start a new run rather than "
+                                f"resume one, train without --resume (with --overwrite if the directory holds a run "
+                                f"stopped before its first checkpoint)")
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory, not a checkpoint file; pass a run directory holding a "
+                         f"{CHECKPOINT_NAME} file, or the file itself")
+    return path
+
+
+def check_training_checkpoint(path: Path, ckpt: dict[str, Any]) -> None:
+    """Refuse (one-line ValueError naming ``path``) a loaded checkpoint that does not have
+    the structure the trainer writes: ``model`` a dict of tensors by name, ``optimizer``
+    a dict (a list of dicts, one per rank, for an expert-parallel run), ``train_config`` a
+    dict with a ``model`` dict. Their values are checked against the model by the caller."""
+    problems = []
+    model = ckpt.get("model")
+    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in model.items()):
+        problems.append("'model' is not a dict of tensors")
+    opt = ckpt.get("optimizer")
+    if not (isinstance(opt, dict) or isinstance(opt, list) and all(isinstance(o, dict) for o in opt)):
+        problems.append("'optimizer' is not an optimizer state dict")
+    cfg = ckpt.get("train_config")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        problems.append("'train_config' is not a dict of settings with a 'model' dict")
+    if problems:
+        raise ValueError(f"{str(path)!r} is not an mxmoe training checkpoint: {'; '.join(problems)}")
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
     """Load an mxmoe checkpoint without running any code from it: the one loader of
     ``mxmoe train --resume``, ``mxmoe eval``, ``mxmoe export`` and ``mxmoe compare``.
 
@@ -121,23 +233,22 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
             checkpoint written on a GPU loads on any machine).
         mmap: memory-map the file instead of reading it (tensor storages are read when
             used; for reading the step of a large checkpoint).
+        verify: check the content hashes stored in the file (every tensor is read and
+            hashed: about a second per GB); False only to peek at a value such as the step.
 
     Returns:
         The saved dict: ``step`` (int) and, as :func:`save_checkpoint` is called by the
-        trainer, ``model``, ``optimizer``, ``train_config`` and ``expert_parallel``.
+        trainer, ``model``, ``optimizer``, ``train_config`` and ``expert_parallel``
+        (``"checksums"`` removed).
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
         ValueError: the file holds other Python objects (refused, nothing of it is run);
-            it is not a torch checkpoint (truncated, another format); it is not a dict
-            with a ``step``.
+            it is a directory; it is not a torch checkpoint (truncated, empty, another
+            format); it is not a dict with an integer ``step`` >= 0; ``verify`` and its
+            content differs from its stored checksums.
     """
-    path = Path(path)
-    if path.is_dir() or not path.exists() and path.suffix != ".pt":  # a run directory, existing or not
-        path = path / CHECKPOINT_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}; run without --resume to start a new run (with "
-                                f"--overwrite if the directory holds a run stopped before its first checkpoint)")
+    path = resolve_checkpoint_path(path)
     try:
         ckpt = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:  # torch.load raises it for whatever the weights_only unpickler refuses
@@ -148,6 +259,14 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
         raise ValueError(f"{str(path)!r} is not a readable torch checkpoint ({_one_line(e)})") from None
     if not isinstance(ckpt, dict) or "step" not in ckpt:
         raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (a {type(ckpt).__name__} without a 'step')")
+    step = ckpt["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{str(path)!r} is not an mxmoe checkpoint (its step is {step!r}, not an integer >= 0)")
+    if CHECKSUMS_KEY in ckpt:
+        if verify:
+            _verify_checksums(path, ckpt)
+        else:
+            del ckpt[CHECKSUMS_KEY]
     return ckpt
 
 
@@ -157,21 +276,71 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), lambda f: f.write(data))
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep only the lines of a metrics JSONL file with ``step <= last_step`` (after a
-    resume from ``last_step``, later lines would be written again). Atomic."""
+class MetricsTrim(NamedTuple):
+    """What :func:`truncate_metrics` did: ``kept`` lines; ``damaged``, the 1-based numbers
+    of the lines dropped as damaged; ``past``, the number of valid lines dropped because
+    their step is past the checkpoint's."""
+
+    kept: int
+    damaged: list[int]
+    past: int
+
+    def describe(self, name: str, last_step: int) -> str | None:
+        """One line saying what was dropped, None when nothing was."""
+        parts = []
+        if self.damaged:
+            shown = ", ".join(map(str, self.damaged[:5])) + (", ..." if len(self.damaged) > 5 else "")
+            parts.append(f"{len(self.damaged)} damaged line{'s' * (len(self.damaged) > 1)} (line {shown}: "
+                         f"torn, NUL bytes or not a JSON object)")
+        if self.past:
+            parts.append(f"{self.past} line{'s' * (self.past > 1)} past the checkpoint's step {last_step} "
+                         f"(written again)")
+        if not parts:
+            return None
+        return f"{name}: kept {self.kept} lines, dropped " + " and ".join(parts)
+
+
+def parse_metrics_line(raw: bytes) -> dict | None:
+    """The JSON object of one metrics line (bytes, without its newline), None when the
+    line is damaged: torn, NUL bytes inside, not UTF-8, not a JSON object, or a ``step``
+    that is not an integer. NUL bytes around a line (what a crash can leave in a file's
+    last block) are removed first."""
+    line = raw.strip(b"\0").strip()
+    if b"\0" in line:
+        return None
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("step", 0), int) else None
+
+
+def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:
+    """Rewrite a metrics JSONL file for a resume from ``last_step``: keep every valid line
+    with ``step <= last_step`` (later lines would be written again); drop the damaged
+    ones (torn by a crash, NUL bytes, not a JSON object) wherever they are, and the valid
+    lines past ``last_step``. Blank lines are dropped silently. Atomic.
+
+    Returns:
+        :class:`MetricsTrim` (all zeros for a missing file).
+    """
     path = Path(path)
     if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line + "\n")
-        except json.JSONDecodeError:
-            break  # a torn last line from a crash: drop it and what follows
+        return MetricsTrim(0, [], 0)
+    kept, damaged, past = [], [], 0
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        record = parse_metrics_line(raw)
+        if record is None:
+            damaged.append(number)
+        elif record.get("step", 0) > last_step:
+            past += 1
+        else:
+            kept.append(raw.strip(b"\0").strip().decode("utf-8") + "\n")  # the line as written
     data = "".join(kept).encode()
     atomic_write_bytes(path, lambda f: f.write(data))
+    return MetricsTrim(len(kept), damaged, past)
 
 
 class MetricsWriter:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import RECIPES
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, parse_metrics_line
 from .data import Corpus, eval_batches, load_corpus
 from .trainer import CONFIG_NAME, METRICS_NAME, WARMUP_STEPS_SKIPPED, TrainConfig, holds_run, resolve_device
 
@@ -129,8 +129,8 @@ def _settings_diff(a: dict[str, Any], b: dict[str, Any], on_cpu: bool = False) -
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
 
 
@@ -347,13 +347,16 @@ class RunSummary:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of a metrics file (a torn last line from a crash is skipped)."""
+    """The valid lines of a metrics file, in order: damaged lines (torn by a crash, NUL
+    bytes, not a JSON object: :func:`~mxmoe.train.checkpoint.parse_metrics_line`) and
+    lines without the fields of their kind (train: step, loss, ms_per_step; eval: step,
+    val_loss) are skipped wherever they are."""
+    needs = {"train": ("step", "loss", "ms_per_step"), "eval": ("step", "val_loss")}
     lines = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+    for raw in Path(path).read_bytes().split(b"\n"):
+        record = parse_metrics_line(raw) if raw.strip() else None
+        if record is not None and all(k in record for k in needs.get(record.get("kind"), ())):
+            lines.append(record)
     return lines
 
 
@@ -362,12 +365,18 @@ def summarize_run(run_dir: Path) -> RunSummary:
 
     Raises:
         FileNotFoundError: ``run_dir`` has no config.json or metrics.jsonl.
+        ValueError: a damaged config.json (damaged metrics lines are skipped).
     """
     run_dir = Path(run_dir)
     for name in (CONFIG_NAME, METRICS_NAME):
         if not (run_dir / name).exists():
             raise FileNotFoundError(f"{run_dir / name} does not exist; is {str(run_dir)!r} a training run?")
-    config = json.loads((run_dir / CONFIG_NAME).read_text())
+    config = _read_json(run_dir / CONFIG_NAME)
+    well_formed = isinstance(config, dict) and isinstance(config.get("train"), dict) \
+        and isinstance(config["train"].get("steps"), int)
+    if not well_formed:  # a damaged file, not a wrong argument: ValueError
+        raise ValueError(f"{str(run_dir / CONFIG_NAME)!r} is damaged or not an mxmoe run's config (no JSON object "
+                         f"with the run's 'train' settings); rerun the recipe, or leave this directory out")
     result = _read_json(run_dir / RESULT_NAME)
     tcfg = config["train"]
     lines = read_metrics(run_dir / METRICS_NAME)

@@ -36,6 +36,7 @@ The file is written atomically (a temp file beside it, renamed over it).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,10 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint
+from .checkpoint import atomic_write_bytes, resolve_checkpoint_path
 from .data import eval_batches, load_corpus
-from .trainer import TrainConfig, evaluate, resolve_device
+from .trainer import TrainConfig, check_model_state, evaluate, resolve_device
+from .trainer import load_training_checkpoint as load_checkpoint_of_run
 
 EXPORT_FORMATS = ("mxfp8", "bf16")
 FORMAT_VERSION = 1
@@ -100,16 +102,6 @@ class Source:
     path: Path
 
 
-def _resolve_checkpoint_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{str(path)!r} does not exist; pass a run directory, its checkpoint.pt "
-                                f"or an exported .safetensors file")
-    return path
-
-
 def is_safetensors(path: Path) -> bool:
     """Whether ``path`` starts like a safetensors file (u64 header length, then ``{``)."""
     with open(path, "rb") as f:
@@ -123,19 +115,18 @@ def is_safetensors(path: Path) -> bool:
 def load_training_checkpoint(path: str | Path) -> Source:
     """A checkpoint.pt (or a run directory holding one) as a :class:`Source`.
 
-    Read with :func:`~mxmoe.train.checkpoint.load_checkpoint` (``weights_only``: nothing
-    in the file is run).
+    Read with :func:`mxmoe.train.trainer.load_training_checkpoint`, the loader of
+    ``train --resume`` (``weights_only``: nothing in the file is run; checksums, structure,
+    settings and weight shapes checked).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a file holding Python objects other
-        than tensors and plain data (refused); not an mxmoe checkpoint.
+        than tensors and plain data (refused); a directory; not an mxmoe checkpoint, or
+        a damaged one.
     """
-    path = _resolve_checkpoint_path(path)
-    ckpt = load_checkpoint(path)
-    if not {"model", "train_config", "step"} <= set(ckpt):
-        raise ValueError(f"{str(path)!r} is not an mxmoe training checkpoint (no model/train_config/step)")
+    path, ckpt, cfg = load_checkpoint_of_run(path)
     state = {k: v.float() for k, v in ckpt["model"].items()}
-    return Source("checkpoint", TrainConfig.from_dict(ckpt["train_config"]), state, int(ckpt["step"]), path)
+    return Source("checkpoint", cfg, state, int(ckpt["step"]), path)
 
 
 def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
@@ -154,13 +145,16 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
 
     Raises:
         FileNotFoundError: ``src`` does not exist.
-        ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory; ``src`` is not
-            an mxmoe checkpoint, or one of a transformers model (``--hf-config``).
+        ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory (or ends in a
+            path separator) or is ``src``'s checkpoint file; ``src`` is not an mxmoe
+            checkpoint, or one of a transformers model (``--hf-config``).
     """
     from safetensors.torch import save
 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    if str(dst).endswith(("/", os.sep)):
+        raise ValueError(f"{str(dst)!r} names a directory; pass a file name such as {dst!s}model.safetensors")
     dst = Path(dst)
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
@@ -169,6 +163,9 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
         raise ValueError(f"{str(src)!r} trained a transformers model ({source.cfg.model.hf_config['model_type']}); "
                          f"mxmoe export writes mxmoe's own model: load its state dict into the transformers model "
                          f"and use save_pretrained")
+    if dst.exists() and os.path.samefile(dst, source.path):
+        raise ValueError(f"{str(dst)!r} is the checkpoint being exported: writing there would replace the training "
+                         f"checkpoint; pass another file name such as model.safetensors")
     recipe = get_recipe(source.cfg.recipe)
     mode = ScaleMode.parse(scale_mode) if scale_mode is not None else (
         recipe.scale_mode if recipe.quantize else ScaleMode.RCEIL)
@@ -202,7 +199,9 @@ def load_export(path: str | Path) -> Source:
     exactly to float32 with :func:`mxmoe.dequantize_mx`, bf16 tensors widened to float32.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not an mxmoe export.
+        FileNotFoundError: no such file. ValueError: not an mxmoe export, or a malformed
+        one (metadata fields or tensors missing or of the wrong kind, weights that do not
+        fit the model of its settings), in one line naming the file.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -221,21 +220,34 @@ def load_export(path: str | Path) -> Source:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{str(path)!r} has export format version {meta.get('format_version')}; "
                          f"this mxmoe reads version {FORMAT_VERSION}")
-    mode = ScaleMode.parse(meta["scale_mode"])
-    state = {}
-    for key, shape in meta["quantized"].items():
-        qdata = tensors.pop(key + DATA_SUFFIX)
-        scale = tensors.pop(key + SCALE_SUFFIX).view(torch.float8_e8m0fnu)
-        mx = MXTensor(qdata, scale, ElemFormat.parse(meta["elem_format"]), meta["block_size"], qdata.dim() - 1,
-                      mode, shape[-1])
-        state[key] = dequantize_mx(mx, torch.float32)
-    state.update({k: v.float() for k, v in tensors.items()})
-    return Source(meta["format"], TrainConfig.from_dict(meta["train"]), state, int(meta["step"]), path)
+    try:  # every field and tensor the metadata names, read as the layout of the module docstring says
+        mode = ScaleMode.parse(meta["scale_mode"])
+        state = {}
+        for key, shape in meta["quantized"].items():
+            qdata = tensors.pop(key + DATA_SUFFIX)
+            scale = tensors.pop(key + SCALE_SUFFIX).view(torch.float8_e8m0fnu)
+            mx = MXTensor(qdata, scale, ElemFormat.parse(meta["elem_format"]), meta["block_size"], qdata.dim() - 1,
+                          mode, shape[-1])
+            state[key] = dequantize_mx(mx, torch.float32)
+            if list(state[key].shape) != list(shape):
+                raise ValueError(f"{key} dequantizes to {tuple(state[key].shape)}, the metadata says {tuple(shape)}")
+        state.update({k: v.float() for k, v in tensors.items()})
+        cfg = TrainConfig.from_dict(meta["train"])
+        cfg.validate()
+        step = meta["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not an integer >= 0")
+        kind = meta["format"]
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, RuntimeError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
+        raise ValueError(f"{str(path)!r} is not a well-formed mxmoe export ({type(e).__name__}: {what})") from None
+    check_model_state(path, state, cfg.model)
+    return Source(kind, cfg, state, step, path)
 
 
 def load_source(path: str | Path) -> Source:
     """A run directory, checkpoint.pt or exported safetensors file (told apart by content)."""
-    resolved = _resolve_checkpoint_path(path)
+    resolved = resolve_checkpoint_path(path)
     return load_export(resolved) if is_safetensors(resolved) else load_training_checkpoint(resolved)
 
 

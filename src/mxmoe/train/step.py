@@ -43,6 +43,15 @@ the capture allocated are dropped, AdamW goes back to its default (non-capturabl
 (capture runs no kernel, so parameters and AdamW state are those after the warm-up step),
 and the current stream, which ``torch.cuda.graph`` leaves on its capture stream when ending
 a failed capture raises, is restored.
+
+Non-finite gradients: the global gradient norm that clipping computes anyway is checked
+before the optimizer step (:func:`guarded_optimizer_step`). When it is NaN or inf (a NaN
+or inf in any gradient) the update is skipped and :attr:`StepOutputs.skipped` is set. On
+the CPU and in eager CUDA steps the optimizer step is not run at all (parameters and AdamW
+state as they were). Inside a CUDA graph nothing may branch on the host, so there the
+check runs on the device, without a host sync: the gradients are replaced by zeros and the
+parameters are restored after ``AdamW.step`` from a copy taken before it, so they are
+unchanged and the AdamW moments take one zero-gradient step (they decay by beta1, beta2).
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ class StepOutputs(NamedTuple):
     ce_loss, aux_loss, z_loss: float32 scalars of the step's batch (before the update).
     grad_norm: float32 scalar, global L2 norm of the gradients before clipping.
     tokens_per_expert: one (E,) int64 tensor per MoE layer.
+    skipped: bool scalar, True when ``grad_norm`` was not finite and the update was
+        skipped (:func:`guarded_optimizer_step`).
     """
 
     ce_loss: Tensor
@@ -73,6 +84,7 @@ class StepOutputs(NamedTuple):
     z_loss: Tensor
     grad_norm: Tensor
     tokens_per_expert: list[Tensor]
+    skipped: Tensor
 
 
 def configure_optimizer(opt: torch.optim.Optimizer, device: torch.device, capturable: bool) -> None:
@@ -105,6 +117,50 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
             g["lr"].fill_(lr)
         else:
             g["lr"] = lr
+
+
+def clip_grads_(params: list[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (the same bits): the global L2
+    norm of the gradients (float32 scalar on their device), then every gradient scaled by
+    min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def guarded_optimizer_step(opt: torch.optim.Optimizer, params: list[Tensor], grad_norm: Tensor, *,
+                           on_device: bool, snapshot: list[Tensor] | None = None) -> Tensor:
+    """Run ``opt.step()`` unless ``grad_norm`` (the global gradient norm, a 0-d tensor) is
+    NaN or inf. Returns the 0-d bool tensor "skipped" on ``grad_norm``'s device.
+
+    ``on_device`` False: the check is read on the host (free on the CPU; one sync on CUDA)
+    and a skipped step runs nothing: parameters and optimizer state stay as they were.
+    ``on_device`` True (what a CUDA graph can replay: no host sync, no branch): the
+    gradients of ``params`` are zeroed when skipped, the step runs, and each parameter is
+    restored from ``snapshot`` (one tensor like each of ``params``, overwritten here) when
+    skipped: the parameters are unchanged, the optimizer's moments take one zero-gradient
+    step. A finite step gives the bits of a plain ``opt.step()`` either way.
+
+    Raises:
+        ValueError: ``on_device`` without a ``snapshot`` of one tensor per parameter.
+    """
+    skipped = ~torch.isfinite(grad_norm)
+    if not on_device:
+        if not bool(skipped):
+            opt.step()
+        return skipped
+    if snapshot is None or len(snapshot) != len(params):
+        raise ValueError("on_device needs a snapshot with one tensor per parameter")
+    for p in params:
+        if p.grad is not None:
+            p.grad.masked_fill_(skipped, 0.0)  # NaN * 0 is NaN: fill, not scale
+    torch._foreach_copy_(snapshot, [p.detach() for p in params])
+    opt.step()
+    with torch.no_grad():
+        for p, s in zip(params, snapshot):
+            p.copy_(torch.where(skipped, s, p))
+    return skipped
 
 
 def _first_cause(err: BaseException) -> str:
@@ -145,16 +201,28 @@ class TrainStep:
         self._stream = None  # the side stream of the warm-up step and the capture (graph mode)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: tuple[Tensor, Tensor, StepOutputs] | None = None
+        self._snapshot: list[Tensor] | None = None  # parameter copies of the on-device guard (graph mode)
+        self._capturing = False
+
+    def _optimizer_step(self, params: list[Tensor], grad_norm: Tensor) -> Tensor:
+        """AdamW unless the gradient norm is not finite; the "skipped" flag. While a CUDA
+        graph is captured the check stays on the device."""
+        if self._capturing:
+            if self._snapshot is None:
+                self._snapshot = [torch.empty_like(p) for p in params]
+            return guarded_optimizer_step(self.opt, params, grad_norm, on_device=True, snapshot=self._snapshot)
+        return guarded_optimizer_step(self.opt, params, grad_norm, on_device=False)
 
     def _run(self, x: Tensor, y: Tensor) -> StepOutputs:
         out = self.model(x, y)
         out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        self.opt.step()
+        params = list(self.model.parameters())
+        grad_norm = clip_grads_(params, self.max_norm)
+        skipped = self._optimizer_step(params, grad_norm)
         # detached: the returned losses must not keep this step's autograd graph (and its
         # AccumulateGrad nodes, bound to this step's stream) alive into the next step
         return StepOutputs(out.ce_loss.detach(), out.aux_loss.detach(), out.z_loss.detach(), grad_norm.detach(),
-                           [c.detach() for c in out.tokens_per_expert])
+                           [c.detach() for c in out.tokens_per_expert], skipped)
 
     def _eager(self, x: Tensor, y: Tensor) -> StepOutputs:
         outs = self._run(x, y)
@@ -192,10 +260,13 @@ class TrainStep:
         graph = torch.cuda.CUDAGraph()
         failure = None
         try:
+            self._capturing = True
             with torch.cuda.graph(graph, stream=self._stream):
                 outs = self._run(sx, sy)
         except RuntimeError as err:  # an op that cannot be captured: go on eagerly (below)
             failure = _first_cause(err)
+        finally:
+            self._capturing = False
         if failure is None:
             self._graph, self._static = graph, (sx, sy, outs)
             graph.replay()
@@ -205,6 +276,7 @@ class TrainStep:
         torch.cuda.set_stream(main)  # a failed capture_end leaves the capture stream current
         del graph
         self.opt.zero_grad(set_to_none=True)  # gradients allocated by the capture: never computed
+        self._snapshot = None
         self.graphed = False
         configure_optimizer(self.opt, self.device, capturable=False)
         set_lr(self.opt, lr)
@@ -259,8 +331,9 @@ class ExpertParallelStep(TrainStep):
         loss.backward()
         self.grad_sync(self.replicated)
         grad_norm = clip_grad_norm_(self.replicated, self.sharded, self.max_norm)
-        self.opt.step()
+        # the global norm is the same on every rank: all ranks skip, or none
+        skipped = guarded_optimizer_step(self.opt, self.replicated + self.sharded, grad_norm, on_device=False)
         reported = torch.stack([ce.detach(), out.aux_loss.detach(), out.z_loss.detach()])
         dist.all_reduce(reported)  # sums of the shares: the global batch's values
         return StepOutputs(reported[0], reported[1], reported[2], grad_norm.detach(),
-                           [c.detach() for c in out.tokens_per_expert])
+                           [c.detach() for c in out.tokens_per_expert], skipped)

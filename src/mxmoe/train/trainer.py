@@ -14,7 +14,9 @@ rank draws the same global batch and keeps its slice of it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -39,7 +41,9 @@ from ..recipe import BACKENDS, RECIPES, get_recipe
 from .checkpoint import (
     CHECKPOINT_NAME,
     MetricsWriter,
+    check_training_checkpoint,
     load_checkpoint,
+    resolve_checkpoint_path,
     save_checkpoint,
     truncate_metrics,
     write_json,
@@ -57,7 +61,18 @@ _SEED_STRIDE = 1_000_003
 # Settings a resumed run may change: where it runs and logs, and how long it goes on (a
 # larger --steps stretches the cosine schedule from the resumed step on).
 RESUME_MAY_CHANGE = ("out_dir", "device", "progress", "steps", "eval_interval", "ckpt_interval", "quant_backend",
-                     "overwrite", "cuda_graph")
+                     "overwrite", "cuda_graph", "max_bad_steps")
+# A loss above ABSURD_LOSS_FACTOR * ln(vocab_size) + ABSURD_LOSS_MARGIN nats is far worse than
+# guessing uniformly (ln(vocab_size)): the run has diverged to finite values (e.g. --lr 10)
+ABSURD_LOSS_FACTOR = 2.0
+ABSURD_LOSS_MARGIN = 1.0
+# seeds are 32-bit, as numpy's and most tools'; seed * _SEED_STRIDE + step then fits torch's generator
+MAX_SEED = 2**32 - 1
+# the advisory lock a run holds on its --out-dir while it writes there (fcntl.flock)
+LOCK_NAME = ".mxmoe.lock"
+# the checkpoint key of the training corpus's token hash (Corpus.fingerprint): a resume
+# compares corpora by their tokens, not by how --data is spelled
+DATA_HASH_KEY = "data_sha256"
 
 
 @dataclass
@@ -91,6 +106,8 @@ class TrainConfig:
             (:mod:`mxmoe.train.step`: removes the host's launch cost, which bounds small
             models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
             expert-parallel runs.
+        max_bad_steps: stop (FloatingPointError) after this many consecutive steps whose
+            loss or gradient norm is not finite; each such step's update is skipped.
         model: the model shape.
     """
 
@@ -117,6 +134,7 @@ class TrainConfig:
     overwrite: bool = False
     expert_parallel: int = 1
     cuda_graph: bool = True
+    max_bad_steps: int = 5
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> None:
@@ -125,12 +143,16 @@ class TrainConfig:
             _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
         if self.quant_backend not in BACKENDS:
             _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
-        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches"):
+        for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches", "max_bad_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 _bad(f"{name} must be a positive integer, got {value!r}")
         if self.ckpt_interval < 0 or self.warmup_steps < 0:
             _bad("ckpt_interval and warmup_steps must be >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            _bad(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir).strip():
+            _bad(f"out_dir must name a directory, got {self.out_dir!r}; pass e.g. --out-dir runs/mxmoe")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             _bad(f"lr must be a positive number, got {self.lr}")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
@@ -208,6 +230,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def default_activation_dtype(device: torch.device) -> tuple[str, str]:
+    """The activation dtype a run on ``device`` is fastest in, and why (one clause).
+
+    On CUDA: bfloat16. On the CPU: bfloat16 only where the CPU computes it natively
+    (AVX512-BF16 or AMX tiles, as ``torch.cpu`` reports them); elsewhere (AVX2-only x86
+    CPUs, most laptops and many cloud VMs, and other architectures) bf16 matmuls are
+    emulated, several times slower than float32, so float32 (measured on a 2-core AVX2
+    EPYC: 19.4 s per step of the default model in bf16, about 1.3 s in float32).
+    """
+    if device.type == "cuda":
+        return "bfloat16", "a CUDA device"
+    capability = torch.backends.cpu.get_cpu_capability()
+    native = [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+                                     ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    if native:
+        return "bfloat16", f"this CPU computes bf16 natively ({' and '.join(native)}; torch capability {capability})"
+    return "float32", (f"this CPU has no native bf16 (no AVX512-BF16 or AMX; torch capability {capability}), where "
+                       f"bf16 matmuls are emulated and several times slower than float32")
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -262,13 +304,15 @@ def _log(msg: str, progress: bool) -> None:
 class PreparedRun(NamedTuple):
     """What :func:`prepare_run` read: the output directory, the corpus, the fixed eval
     batches of each split ((x, y) int64 (batch_size, seq_len) pairs) and, on resume, the
-    loaded checkpoint (None otherwise)."""
+    loaded checkpoint (None otherwise); ``data_sha256``, the corpus's
+    :meth:`~mxmoe.train.data.Corpus.fingerprint` (stored in checkpoints)."""
 
     out: Path
     corpus: Corpus
     val_sets: list
     train_eval_sets: list
     checkpoint: dict | None
+    data_sha256: str
 
 
 def holds_run(out: Path) -> bool:
@@ -314,6 +358,56 @@ def _setting_name(key: str) -> str:
     return f"{key} ({flag})" if flag else key
 
 
+def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, Any], TrainConfig]:
+    """The one loader of a training checkpoint for ``train --resume``, ``eval`` and
+    ``export``: :func:`~mxmoe.train.checkpoint.load_checkpoint` (weights_only, checksums),
+    then its structure, its settings and its model weights against the model of those
+    settings (names and shapes), so that a file that would fail later fails here, in one
+    line naming it.
+
+    Args:
+        path: a run directory or its checkpoint.pt.
+
+    Returns:
+        ``(file, checkpoint dict, its TrainConfig)``.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        ValueError: a directory, an unreadable or foreign file, a damaged one, or one
+            whose structure, settings or weights are not those of an mxmoe run.
+    """
+    file = resolve_checkpoint_path(path)
+    ckpt = load_checkpoint(file)
+    check_training_checkpoint(file, ckpt)
+    try:
+        cfg = TrainConfig.from_dict(ckpt["train_config"])
+        cfg.validate()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(file)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    check_model_state(file, ckpt["model"], cfg.model)
+    return file, ckpt, cfg
+
+
+def check_model_state(path: Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+    """Refuse (one-line ValueError naming ``path``) model weights whose names or shapes are
+    not those of ``MoETransformer(model_cfg)`` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        ref = MoETransformer(model_cfg, get_recipe("bf16"))
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    shapes = [f"{k} is {tuple(state[k].shape)}, the model's {want[k]}" for k in want
+              if k in state and tuple(state[k].shape) != want[k]]
+    floats = [k for k in want if k in state and not state[k].is_floating_point()]
+    if not (missing or extra or shapes or floats):
+        return
+    parts = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {extra[:3]}"] if extra else []) \
+        + shapes[:3] + ([f"not floating point: {floats[:3]}"] if floats else [])
+    raise ValueError(f"{str(path)!r} holds weights that do not fit the model of its own settings: "
+                     + "; ".join(parts))
+
+
 def _check_ranks(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
     """A checkpoint resumes on the number of ranks that wrote it (checked before the other
     settings, for its clearer message): it holds one optimizer state per rank. A checkpoint
@@ -355,12 +449,20 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
     val_sets = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     train_eval_sets = eval_batches(corpus.train, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     checkpoint = None
+    data_sha256 = corpus.fingerprint()
     if resume:
-        checkpoint = load_checkpoint(out)
+        _, checkpoint, saved = load_training_checkpoint(out)
         _check_ranks(cfg, checkpoint, out)
-        saved = TrainConfig.from_dict(checkpoint["train_config"])
+        # the corpus by its tokens when the checkpoint has their hash (the path may be
+        # spelled differently, or name another file), else by the --data text
+        by_tokens = isinstance(checkpoint.get(DATA_HASH_KEY), str)
+        if by_tokens and checkpoint[DATA_HASH_KEY] != data_sha256:
+            raise ValueError(f"--data {cfg.data!r} holds other tokens than the corpus the checkpoint in {str(out)!r} "
+                             f"was trained on (--data {saved.data!r} then; {corpus.describe()} now): resume with that "
+                             f"corpus, or start a new run in another --out-dir")
+        may_change = RESUME_MAY_CHANGE + (("data",) if by_tokens else ())
         mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
-                      if k not in RESUME_MAY_CHANGE]
+                      if k not in may_change]
         if mismatched:
             raise ValueError("--resume with settings that differ from the checkpoint's: "
                              + "; ".join(f"{_setting_name(k)}: checkpoint {a!r}, now {b!r}"
@@ -369,7 +471,7 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
         if checkpoint["step"] >= cfg.steps:
             raise ValueError(f"the checkpoint in {str(out)!r} is at step {checkpoint['step']}, the run has "
                              f"--steps {cfg.steps}: nothing to do; pass a larger --steps to train on")
-    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint)
+    return PreparedRun(out, corpus, val_sets, train_eval_sets, checkpoint, data_sha256)
 
 
 def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) -> TrainResult:
@@ -404,7 +506,10 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             differs; with P > 1, no torchrun environment or WORLD_SIZE != P; with P == 1,
             a torchrun launch of several processes.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
-        FloatingPointError: a non-finite loss (after its metrics line is written).
+        FloatingPointError: ``cfg.max_bad_steps`` consecutive steps with a non-finite loss
+            or gradient norm (their updates skipped, their metrics lines written), or a
+            checkpoint due while a parameter or AdamW state holds NaN or inf (not written);
+            the message names the step and the last checkpoint written.
     """
     cfg.validate()
     if cfg.expert_parallel == 1:
@@ -420,14 +525,71 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     return result
 
 
+def check_backend_device(cfg: TrainConfig, device: torch.device) -> None:
+    """``--quant-backend triton`` needs the Triton kernels' device: refuse it before any file
+    is written on a device they do not run on (the CPU without ``TRITON_INTERPRET=1``).
+
+    Raises:
+        ValueError: naming the device and what would work.
+    """
+    if cfg.quant_backend == "triton" and RECIPES[cfg.recipe].quantize and device.type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET", "") != "1":
+        raise ValueError(f"--quant-backend triton runs the Triton kernels, which need a CUDA device; this run is on "
+                         f"{device}: use --quant-backend auto or reference (the same bits), or set TRITON_INTERPRET=1 "
+                         f"for Triton's (slow) CPU interpreter")
+
+
+@contextlib.contextmanager
+def out_dir_lock(out: Path, enabled: bool = True):
+    """Hold an advisory lock (``fcntl.flock`` on ``out/.mxmoe.lock``) for the body: a second
+    run into the same directory is refused while the first writes there. The lock goes with
+    the process (a killed run leaves no stale lock); the file stays.
+
+    Raises:
+        ValueError: another process holds the lock (its pid in the message).
+    """
+    if not enabled:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_NAME
+    f = open(path, "a+")  # noqa: SIM115 - held open for the body
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise ValueError(f"--out-dir {str(out)!r} is in use by another mxmoe run (pid {holder}, lock "
+                             f"{str(path)!r}); wait for it to finish or pass another --out-dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
 def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.device,
            env: DistEnv | None) -> TrainResult:
     """The training loop of :func:`train` on ``device``: one process (``env`` None) or one
-    rank of an expert-parallel group (``env``)."""
+    rank of an expert-parallel group (``env``); rank 0 holds the out-dir lock."""
+    check_backend_device(cfg, device)
+    prepared = prepare_run(cfg, resume, corpus)  # every refusal before any file is written
+    main = env is None or env.rank == 0
+    with out_dir_lock(prepared.out, enabled=main):
+        if main and not resume and not cfg.overwrite and holds_run(prepared.out):  # written since the check
+            raise ValueError(f"--out-dir {str(prepared.out)!r} now holds a run (written by another process); pass "
+                             f"another --out-dir")
+        return _train_locked(cfg, device, env, prepared)
+
+
+def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, prepared: PreparedRun) -> TrainResult:
     P, rank = cfg.expert_parallel, env.rank if env is not None else 0
     main = rank == 0
     progress = cfg.progress and main
-    out, corpus, val_sets, train_eval_sets, checkpoint = prepare_run(cfg, resume, corpus)
+    out, corpus, val_sets, train_eval_sets, checkpoint, data_sha256 = prepared
     if env is not None:
         # every rank has checked the out-dir (a run already there is refused by all of them
         # alike) before rank 0 writes into it below
@@ -442,6 +604,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     model = model.to(device)
     opt = make_optimizer(model, cfg)
     start_step = 0
+    trimmed = None
     if checkpoint is not None:
         if env is None:
             model.load_state_dict(checkpoint["model"])
@@ -451,7 +614,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             opt.load_state_dict(checkpoint["optimizer"][rank])
         start_step = checkpoint["step"]
         if main:
-            truncate_metrics(out / METRICS_NAME, start_step)
+            trimmed = truncate_metrics(out / METRICS_NAME, start_step).describe(METRICS_NAME, start_step)
     elif main and (out / METRICS_NAME).exists():
         (out / METRICS_NAME).unlink()  # a new run in an old directory starts a new log
 
@@ -474,6 +637,8 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
              f"({params['active'] / 1e6:.2f}M active) | {corpus.describe()} | {where}", progress)
         if start_step:
             _log(f"resuming from the checkpoint of step {start_step} in {out}", progress)
+            if trimmed:
+                _log(trimmed, progress)
 
     metrics = MetricsWriter(out / METRICS_NAME) if main else None
     tokens_per_step = cfg.batch_size * cfg.seq_len  # the global batch
@@ -490,16 +655,30 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             metrics.write({"kind": "eval", "step": step, "loss": tr, "val_loss": val})
             _log(f"eval step {step:5d} | train loss {tr:.4f} | val loss {val:.4f}", progress)
 
+    last_ckpt: list[int | None] = [start_step if checkpoint is not None else None]  # step of the last one written
+
     def save(step: int) -> None:
+        # a checkpoint with a non-finite value would replace the last good one: refuse it
+        # (every rank checks its own parameters and AdamW state; over P ranks they agree)
+        where = nonfinite_state(model.state_dict(), opt.state_dict())
+        if env is not None:
+            flag = torch.tensor([0.0 if where is None else 1.0], device=device)
+            dist.all_reduce(flag)
+            where = where or ("another rank's state" if flag.item() else None)
+        if where is not None:  # updates are skipped on non-finite gradients: nothing would repair it
+            raise FloatingPointError(f"not writing the checkpoint of step {step}: {where} holds NaN or inf; "
+                                     f"{_last_good(out, last_ckpt[0])}; lower --lr or check the data")
         if env is None:
             save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+                                  "train_config": cfg.to_dict(), "expert_parallel": P, DATA_HASH_KEY: data_sha256})
+            last_ckpt[0] = step
             return
         gathered = gather_state(model, opt)
         if main:
             model_state, opt_states = gathered
             save_checkpoint(out, {"step": step, "model": model_state, "optimizer": opt_states,
-                                  "train_config": cfg.to_dict(), "expert_parallel": P})
+                                  "train_config": cfg.to_dict(), "expert_parallel": P, DATA_HASH_KEY: data_sha256})
+        last_ckpt[0] = step
         dist.barrier()  # the checkpoint is on disk before any rank goes on
 
     # after the checkpoint is loaded: the step puts AdamW in the mode it needs
@@ -517,6 +696,9 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     wall_start = time.perf_counter()
     bar = tqdm(range(start_step + 1, cfg.steps + 1), initial=start_step, total=cfg.steps,
                disable=not progress, desc=cfg.recipe, dynamic_ncols=True, file=sys.stderr)
+    bad_steps: list[int] = []  # the current run of consecutive steps with skipped updates
+    absurd_loss = ABSURD_LOSS_FACTOR * math.log(cfg.model.vocab_size) + ABSURD_LOSS_MARGIN
+    warned_absurd = False
     for step in bar:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
@@ -526,6 +708,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
         lr = lr_at(step, cfg)
         outs = train_step(x, y, lr)
         loss = outs.ce_loss.item()  # synchronizes: the step is done
+        skipped = bool(outs.skipped.item())  # already on the host's side of that sync
         dt = time.perf_counter() - t0
         counts = torch.stack(outs.tokens_per_expert).float() if outs.tokens_per_expert else None
         load_max = (counts.max(dim=1).values / counts.mean(dim=1)).max().item() if counts is not None else 1.0
@@ -535,16 +718,32 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
             "tokens_per_s": tokens_per_step / dt, "ms_per_step": dt * 1e3,
             "mem_gib": peak_memory_gib(device), "expert_load_max": load_max,
             "cuda_graph": train_step.graphed,  # False after a capture that failed (eager from then on)
+            "skipped": skipped,  # the update was not applied: non-finite gradient norm
         }
         if main:
             metrics.write(record)
-        if not math.isfinite(loss):  # over P ranks: the same value on every rank, all stop
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
         step_times.append(dt)
         if main:
             _log(f"step {step:5d} | loss {loss:.4f} | aux {record['aux_loss']:.3f} "
                  f"| grad norm {record['grad_norm']:.3f} | lr {lr:.2e} | {record['tokens_per_s']:,.0f} tok/s "
-                 f"| {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB", progress)
+                 f"| {dt * 1e3:.0f} ms | {record['mem_gib']:.2f} GiB"
+                 + (" | update skipped (non-finite gradient norm)" if skipped else ""), progress)
+            if not warned_absurd and math.isfinite(loss) and loss > absurd_loss:
+                warned_absurd = True
+                _log(f"warning: loss {loss:.1f} at step {step} is far above ln(vocab_size) = "
+                     f"{math.log(cfg.model.vocab_size):.2f} nats (uniform guessing): the run is diverging; "
+                     f"lower --lr (now {cfg.lr:g}) or check the data", progress)
+        # over P ranks: the loss and the global gradient norm are the same on every rank, all stop
+        if skipped or not math.isfinite(loss):
+            bad_steps.append(step)
+            if len(bad_steps) >= cfg.max_bad_steps:
+                raise FloatingPointError(
+                    f"{len(bad_steps)} consecutive steps ({bad_steps[0]} to {step}) had a non-finite loss or gradient "
+                    f"norm (loss {loss}, grad norm {record['grad_norm']}), their updates skipped; stopped at step "
+                    f"{step} (--max-bad-steps {cfg.max_bad_steps}); {_last_good(out, last_ckpt[0])}; lower --lr or "
+                    f"check the data")
+        else:
+            bad_steps.clear()
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             run_eval(step)
         if (cfg.ckpt_interval and step % cfg.ckpt_interval == 0) or step == cfg.steps:
@@ -561,6 +760,28 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     box = [result]
     dist.broadcast_object_list(box, src=0)  # rank 0 read the metrics file: the same result on every rank
     return box[0]
+
+
+def _last_good(out: Path, step: int | None) -> str:
+    if step is None:
+        return "no checkpoint was written"
+    return f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {step})"
+
+
+def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> str | None:
+    """The name of the first floating-point tensor in a model state dict or an optimizer
+    state dict (``{"state": {index: {name: tensor}}, ...}``) holding a NaN or inf, or None
+    when every one is finite (one host sync for all)."""
+    named = [(k, t) for k, t in model_state.items() if t.is_floating_point()]
+    for i, st in optimizer_state.get("state", {}).items():
+        named += [(f"optimizer state {k} of parameter {i}", t) for k, t in st.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
 
 
 def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step: int,

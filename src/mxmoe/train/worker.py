@@ -66,7 +66,7 @@ def checkpoint_step(out_dir: Path) -> int | None:
     path = Path(out_dir) / CHECKPOINT_NAME
     if not path.exists():
         return None
-    return int(load_checkpoint(path, mmap=True)["step"])
+    return int(load_checkpoint(path, mmap=True, verify=False)["step"])  # the resume verifies it
 
 
 def main(argv: list[str] | None = None) -> int:

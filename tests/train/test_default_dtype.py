@@ -1,0 +1,66 @@
+"""The default activation dtype follows what the machine computes fast: bfloat16 on CUDA
+and on CPUs with native bf16 (AVX512-BF16 or AMX), float32 on other CPUs; the first line
+of `mxmoe train` says which and why; --dtype overrides; --resume keeps the run's dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxmoe.cli import build_parser, config_from_args, main
+from mxmoe.train.trainer import default_activation_dtype
+
+FLAGS = ["--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width", "64",
+         "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu",
+         "--no-progress", "--recipe", "bf16", "--steps", "1"]
+
+# (AVX512-BF16, AMX) -> the dtype auto picks on the CPU
+CPUS = {"AVX2 only": (False, False, "float32"), "AVX512-BF16": (True, False, "bfloat16"),
+        "AMX": (False, True, "bfloat16"), "both": (True, True, "bfloat16")}
+
+
+def fake_cpu(monkeypatch, bf16: bool, amx: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_the_cpu_default_follows_native_bf16(monkeypatch, cpu):
+    bf16, amx, want = CPUS[cpu]
+    fake_cpu(monkeypatch, bf16, amx)
+    dtype, why = default_activation_dtype(torch.device("cpu"))
+    assert dtype == want
+    assert ("no native bf16" in why) == (want == "float32") and "torch capability" in why
+    args = build_parser().parse_args(["train", *FLAGS])
+    assert config_from_args(args, 256).model.dtype == want
+    args = build_parser().parse_args(["train", *FLAGS, "--dtype", "float16"])  # the flag overrides
+    assert config_from_args(args, 256).model.dtype == "float16"
+
+
+def test_cuda_defaults_to_bf16():
+    assert default_activation_dtype(torch.device("cuda"))[0] == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
+    data = tmp_path_factory.mktemp("data") / "corpus.txt"
+    data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
+    return data
+
+
+def test_the_first_line_says_which_and_why_and_resume_keeps_the_dtype(monkeypatch, tmp_path, corpus, capsys):
+    fake_cpu(monkeypatch, False, False)
+    out = tmp_path / "r"
+    assert main(["train", *FLAGS, "--data", str(corpus), "--out-dir", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("activation dtype float32: this CPU has no native bf16") and "--dtype overrides" in first
+    assert json.loads((out / "config.json").read_text())["train"]["model"]["dtype"] == "float32"
+    fake_cpu(monkeypatch, True, True)  # resumed on a machine whose default differs: the run's dtype
+    assert main(["train", *FLAGS, "--data", str(corpus), "--out-dir", str(out), "--resume", "--steps", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "activation dtype float32: the resumed run's (--dtype overrides)"
+    assert main(["train", *FLAGS, "--data", str(corpus), "--out-dir", str(tmp_path / "g"), "--dtype", "float32"]) == 0
+    assert not capsys.readouterr().out.startswith("activation dtype")  # given: no note

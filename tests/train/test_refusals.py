@@ -1,0 +1,113 @@
+"""Inputs of ``mxmoe train`` and ``mxmoe export`` that are refused with one line naming
+the value and what would work, before any file is written: an empty --out-dir, a seed
+out of range, a huge vocabulary, --quant-backend triton off CUDA, an export onto its own
+checkpoint or onto a directory path, and a second run into an --out-dir in use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxmoe.cli import main
+from mxmoe.train.trainer import LOCK_NAME, MAX_SEED, out_dir_lock
+
+FLAGS = ["--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width", "64",
+         "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu",
+         "--no-progress", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
+    data = tmp_path_factory.mktemp("data") / "corpus.txt"
+    data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
+    return data
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("run") / "r"
+    assert main(["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
+    return out
+
+
+# (extra flags, message): each refused `mxmoe train` input
+TRAIN_REFUSALS = {
+    "empty out-dir": (["--out-dir", ""], "out_dir must name a directory, got ''; pass e.g. --out-dir"),
+    "blank out-dir": (["--out-dir", "  "], "out_dir must name a directory, got '  '"),
+    "seed 2**70": (["--seed", str(2**70)], f"seed must be an integer in [0, {MAX_SEED}], got {2**70}"),
+    "seed 2**32": (["--seed", str(2**32)], f"seed must be an integer in [0, {MAX_SEED}]"),
+    "negative seed": (["--seed", "-1"], f"seed must be an integer in [0, {MAX_SEED}], got -1"),
+    "huge vocab": (["--vocab-size", str(10**11)], "vocab_size 100,000,000,000 exceeds 1,048,576"),
+    "triton on the cpu": (["--quant-backend", "triton", "--recipe", "mxfp8"],
+                          "--quant-backend triton runs the Triton kernels, which need a CUDA device; this run is on cpu"),
+    "max-bad-steps 0": (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_REFUSALS)
+def test_train_refuses_in_one_line_before_writing(corpus, tmp_path, capsys, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)  # an empty --out-dir would write here
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    flags, message = TRAIN_REFUSALS[case]
+    if "--out-dir" not in flags:
+        flags = [*flags, "--out-dir", str(tmp_path / "out")]
+    recipe = [] if "--recipe" in flags else ["--recipe", "bf16"]
+    rc = main(["train", *FLAGS, *recipe, "--data", str(corpus), "--steps", "2", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+@pytest.mark.parametrize("dst", ["own checkpoint", "own checkpoint by another path", "directory path"])
+def test_export_refuses_to_overwrite_its_source_or_write_a_directory_path(run_dir, tmp_path, capsys, dst):
+    run = tmp_path / "r"
+    shutil.copytree(run_dir, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    target = {"own checkpoint": str(run / "checkpoint.pt"),
+              "own checkpoint by another path": str(run / ".." / "r" / "checkpoint.pt"),
+              "directory path": str(tmp_path / "exports") + "/"}[dst]
+    rc = main(["export", str(run), target])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    if dst == "directory path":
+        assert "names a directory; pass a file name such as" in err and not (tmp_path / "exports").exists()
+    else:
+        assert "is the checkpoint being exported: writing there would replace the training checkpoint" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_second_run_into_an_out_dir_in_use_is_refused(corpus, tmp_path, capsys):
+    """A process holding the out-dir lock (as a running `mxmoe train` does): a run into the
+    same directory is refused in one line naming the holder, with nothing written; once
+    the holder is gone, the run goes ahead."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from mxmoe.train.trainer import out_dir_lock\n"
+        f"with out_dir_lock(Path({str(out)!r})):\n"
+        "    print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        rc = main(["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "2", "--out-dir", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1
+        assert f"is in use by another mxmoe run (pid {holder.pid}, lock" in err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
+
+
+def test_the_lock_is_released_and_taken_again(tmp_path):
+    with out_dir_lock(tmp_path / "o"), pytest.raises(ValueError, match=f"pid {os.getpid()}"), \
+            out_dir_lock(tmp_path / "o"):
+        pass
+    with out_dir_lock(tmp_path / "o"):
+        pass
