@@ -391,9 +391,10 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
 
 def check_model_state(path: Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
     """Refuse (one-line ValueError naming ``path``) model weights whose names or shapes are
-    not those of ``MoETransformer(model_cfg)`` (built on the meta device: no memory)."""
+    not those of the model ``build_model(model_cfg)`` makes (mxmoe's ``MoETransformer``, or
+    the transformers model of an ``--hf-config`` run; built on the meta device: no memory)."""
     with torch.device("meta"):
-        ref = MoETransformer(model_cfg, get_recipe("bf16"))
+        ref = build_model(model_cfg, get_recipe("bf16"))
     want = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     missing = [k for k in want if k not in state]
     extra = [k for k in state if k not in want]
