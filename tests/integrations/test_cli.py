@@ -72,8 +72,8 @@ def test_compare_accepts_hf_config(tmp_path, text_file):
 @pytest.mark.parametrize("flags,message", [
     (["--hf-config", "no_such_model"], "neither a config.json nor a transformers model type"),
     (["--hf-config", "missing/config.json"], "no such config file"),
-    (["--hf-config", "qwen3_moe", "--mx-dispatch"], "--mx-dispatch set mxmoe's own model"),
-    (["--hf-config", "qwen3_moe", "--moe-every", "2"], "--moe-every set mxmoe's own model"),
+    (["--hf-config", "qwen3_moe", "--mx-dispatch"], "--mx-dispatch sets mxmoe's own model"),
+    (["--hf-config", "qwen3_moe", "--moe-every", "2"], "--moe-every sets mxmoe's own model"),
     (["--hf-config", "llama"], "llama is not an MoE model"),
     (["--hf-config", "qwen3_moe", "--expert-parallel", "2"], r"a transformers model \(--hf-config\) trains in one"),
     (["--hf-config", "jetmoe"], "jetmoe: this family's MoE experts do not go through"),

@@ -506,3 +506,26 @@ def test_a_damaged_config_is_refused_in_one_line(tmp_path, capsys, config):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{str(run / 'config.json')!r} is damaged or not an mxmoe run's config" in err
+
+
+@pytest.mark.parametrize("checkpoint_first", [False, True])
+def test_interrupt_message_says_how_to_go_on(tmp_path, text_file, capsys, monkeypatch, checkpoint_first):
+    """Ctrl-C ends `mxmoe train` with 130 and a line that names what works next: --resume
+    when a checkpoint exists, --overwrite when the run stopped before its first one."""
+    import mxmoe.cli as cli
+
+    out = tmp_path / "run"
+    flags = ["train", *TINY_FLAGS, "--steps", "2", "--eval-batches", "1", "--data", str(text_file),
+             "--out-dir", str(out)]
+    if checkpoint_first:
+        assert main(flags) == 0  # leaves a checkpoint
+        flags = [*flags, "--resume"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "train", interrupted)
+    capsys.readouterr()
+    assert main(flags) == 130
+    err = capsys.readouterr().err
+    assert ("--resume" in err) == checkpoint_first and ("--overwrite" in err) != checkpoint_first, err

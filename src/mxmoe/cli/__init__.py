@@ -24,6 +24,7 @@ from ..distributed.launch import is_main_process
 from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
+from ..train.checkpoint import CHECKPOINT_NAME
 from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
 from .presets import add_preset_argument, parse_with_preset
 
@@ -122,8 +123,8 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     g.add_argument("--no-cuda-graph", action="store_true",
-                   help="on CUDA, launch every step's kernels from Python instead of replaying the step from a "
-                        "CUDA graph (the default; it removes the host's launch cost)")
+                   help="on CUDA, launch every step's kernels from Python (by default each step is replayed from "
+                        "a CUDA graph, which removes the host's launch cost)")
     g.add_argument("--overwrite", action="store_true",
                    help="start anew in an --out-dir that already holds a run, replacing its files "
                         "(without it such a run is refused unless --resume)")
@@ -207,7 +208,7 @@ def _hf_model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
                                                    ("--shared-expert", args.shared_expert, m.shared_expert),
                                                    ("--mx-dispatch", args.mx_dispatch, False)) if value != default]
     if only_ours:
-        raise ValueError(f"{', '.join(only_ours)} set mxmoe's own model; with --hf-config the transformers config "
+        raise ValueError(f"{', '.join(only_ours)} {'sets' if len(only_ours) == 1 else 'set'} mxmoe's own model; with --hf-config the transformers config "
                          f"decides (edit its config.json)")
     vocab = vocab_size if args.vocab_size is None else args.vocab_size
     spec = args.hf_config
@@ -275,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mxmoe {args.command}: error: {e}; metrics.jsonl holds the steps so far", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"mxmoe {args.command}: interrupted; rerun with --resume to continue from the last checkpoint",
-              file=sys.stderr)
+        out_dir = getattr(args, "out_dir", None)
+        if out_dir and (Path(out_dir) / CHECKPOINT_NAME).exists():
+            hint = "rerun with --resume to continue from the last checkpoint"
+        else:
+            hint = "no checkpoint was written yet (see --ckpt-interval): rerun with --overwrite to start anew"
+        print(f"mxmoe {args.command}: interrupted; {hint}", file=sys.stderr)
         return 130

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,6 +379,9 @@ def convert_model(model: nn.Module, recipe: Recipe | str = "mxfp8", module_filte
     convert_module(model, recipe, default_module_filter(model) if module_filter_fn is None else module_filter_fn)
     if name is not None:
         model.set_experts_implementation(name)
+        n_blocks = sum(1 for m in model.modules() if is_experts_module(m))
+        logging.getLogger("mxmoe").info("convert_to_mxfp8: experts of %d MoE blocks set to the experts backend %r",
+                                        n_blocks, name)
     return model
 
 
