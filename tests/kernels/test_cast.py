@@ -110,7 +110,7 @@ def test_a_plain_backward_widens_float32_weight_grads_with_the_kernel(op, monkey
     """In a backward without create_graph (grad mode off there) the float32 weights'
     gradients go through the Triton cast on the Triton backend, bit-equal to the reference
     backend's Tensor.to."""
-    import mxmoe.kernels.cast as cast
+    from mxmoe.kernels import cast
     from mxmoe.ops import mx_grouped_mm, mx_moe_experts
 
     calls = []
