@@ -61,6 +61,12 @@ def poisoned_model(kind: str, bad_steps: set[int]):
     return Poisoned
 
 
+def poisoned_builder(kind: str, bad_steps: set[int]):
+    """``trainer.build_model`` making the :func:`poisoned_model` of ``kind`` and ``bad_steps``."""
+    cls = poisoned_model(kind, bad_steps)
+    return lambda cfg, recipe="mxfp8": cls(cfg, recipe)
+
+
 def tiny_config(out: Path, data: Path, **kw) -> TrainConfig:
     model = ModelConfig(d_model=64, n_layers=1, n_heads=2, n_experts=4, top_k=2, d_expert=64, max_seq_len=32,
                         dtype="float32")
@@ -81,7 +87,7 @@ def test_a_bad_step_is_skipped_and_marked(tmp_path, text_file, monkeypatch, kind
     """Step 4 goes bad and a checkpoint is due at step 4: the update is skipped (the
     checkpoint of step 4 holds the weights of step 3), the metrics line says so, the run
     goes on and finishes with finite weights."""
-    monkeypatch.setattr(trainer, "MoETransformer", poisoned_model(kind, {4}))
+    monkeypatch.setattr(trainer, "build_model", poisoned_builder(kind, {4}))
     out = tmp_path / "run"
     seen = {}
     real_save = trainer.save_checkpoint
@@ -92,9 +98,9 @@ def test_a_bad_step_is_skipped_and_marked(tmp_path, text_file, monkeypatch, kind
 
     monkeypatch.setattr(trainer, "save_checkpoint", save)
     # the weights right after step 3: the same run without a bad step, checkpointed at step 3
-    monkeypatch.setattr(trainer, "MoETransformer", poisoned_model(kind, set()))
+    monkeypatch.setattr(trainer, "build_model", poisoned_builder(kind, set()))
     train(tiny_config(tmp_path / "good", text_file, ckpt_interval=3))
-    monkeypatch.setattr(trainer, "MoETransformer", poisoned_model(kind, {4}))
+    monkeypatch.setattr(trainer, "build_model", poisoned_builder(kind, {4}))
     after_3 = seen[3]
     seen.clear()
     train(tiny_config(out, text_file))
@@ -112,7 +118,7 @@ def test_persistent_bad_steps_stop_with_a_nonzero_exit(tmp_path, text_file, monk
     """Steps 3 on go bad, --max-bad-steps 3: the run stops at step 5 with exit 1 and a
     one-line message naming the step and the last good checkpoint; the checkpoint on disk
     is finite and holds the weights of step 2."""
-    monkeypatch.setattr(trainer, "MoETransformer", poisoned_model(kind, set(range(3, 100))))
+    monkeypatch.setattr(trainer, "build_model", poisoned_builder(kind, set(range(3, 100))))
     out = tmp_path / "run"
     rc = main(["train", *TINY_FLAGS, "--data", str(text_file), "--out-dir", str(out), "--steps", "10",
                "--ckpt-interval", "2", "--warmup-steps", "1", "--max-bad-steps", "3"])
