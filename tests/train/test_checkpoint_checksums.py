@@ -26,14 +26,6 @@ N_FLIPS = 24  # byte positions spread over the whole file
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
-    data = tmp_path_factory.mktemp("data") / "corpus.txt"
-    data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
-    return data
-
-
-@pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("run") / "r"
     assert main(["train", *FLAGS, "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0

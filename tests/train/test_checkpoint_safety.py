@@ -56,14 +56,6 @@ def model_flags(data: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
-    data = tmp_path_factory.mktemp("data") / "corpus.txt"
-    data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
-    return data
-
-
-@pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, corpus) -> Path:
     """A tiny mxfp8 run of 2 steps, trained with the `mxmoe train` command."""
     out = tmp_path_factory.mktemp("run") / "r"

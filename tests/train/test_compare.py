@@ -30,11 +30,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
-    return path
+def text_file(corpus) -> Path:
+    """mxmoe's own sources as a corpus (the session's ``corpus`` fixture)."""
+    return corpus
 
 
 def read_metrics(path: Path) -> list[dict]:

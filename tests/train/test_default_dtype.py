@@ -5,7 +5,6 @@ of `mxmoe train` says which and why; --dtype overrides; --resume keeps the run's
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,14 +41,6 @@ def test_the_cpu_default_follows_native_bf16(monkeypatch, cpu):
 
 def test_cuda_defaults_to_bf16():
     assert default_activation_dtype(torch.device("cuda"))[0] == "bfloat16"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = Path(__file__).resolve().parents[2] / "src" / "mxmoe"
-    data = tmp_path_factory.mktemp("data") / "corpus.txt"
-    data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
-    return data
 
 
 def test_the_first_line_says_which_and_why_and_resume_keeps_the_dtype(monkeypatch, tmp_path, corpus, capsys):
