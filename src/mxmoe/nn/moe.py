@@ -94,7 +94,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """Route T tokens: x_TD (T, D) float32/bfloat16 -> :class:`RouterOutput` (float32
         logits and probabilities (T, E), top-k weights renormalized to sum to 1 and expert
-        indices (T, k); ties broken by the lower expert index, as the issue asks)."""
+        indices (T, k); ties broken by the lower expert index, so the routing is deterministic)."""
         logits_TE = _Float32Linear.apply(x_TD, self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1)
         # topk on probs; a stable sort by descending value keeps the lower index first on ties

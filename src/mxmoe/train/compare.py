@@ -1,6 +1,6 @@
 """``mxmoe compare``: the same model, seed and data order trained under several recipes,
-then one report: final losses, gap to bf16, speed, peak memory, MFU, and the issue's
-MXFP8 targets (met, or missed by how much).
+then one report: final losses, gap to bf16, speed, peak memory, MFU, and mxmoe's MXFP8
+parity targets (met, or missed by how much).
 
 Layout of a comparison directory OUT:
 
@@ -40,7 +40,8 @@ BASELINE_RECIPE = "bf16"
 RESULT_NAME = "result.json"
 REPORT_NAME = "report.md"
 PLOT_NAME = "loss.png"
-# Targets of the comparison issue, for every quantized recipe against bf16.
+# mxmoe's parity targets for every quantized recipe against bf16 (MXFP8 should train like BF16,
+# at no less speed and with less memory).
 VAL_LOSS_GAP_TARGET_PCT = 1.0  # final validation loss at most 1% above bf16's
 SPEED_TARGET_RATIO = 0.95  # tokens/s at least 0.95x bf16's
 # Steady-state speed: train steps after the first WARMUP_STEPS_SKIPPED (the trainer's constant:
@@ -419,7 +420,7 @@ class TargetCheck:
 
 
 def check_targets(run: RunSummary, base: RunSummary) -> list[TargetCheck]:
-    """The issue's MXFP8 targets for ``run`` against the bf16 run ``base``: final
+    """mxmoe's MXFP8 parity targets for ``run`` against the bf16 run ``base``: final
     validation loss within :data:`VAL_LOSS_GAP_TARGET_PCT` % of bf16's, tokens/s at least
     :data:`SPEED_TARGET_RATIO` x bf16's, peak memory below bf16's."""
     checks = []
