@@ -74,3 +74,26 @@ def test_sequence_longer_than_rope_table_is_refused():
     model = MoETransformer(_tiny_cfg(), "bf16")
     with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kw", [{}, {"moe_every": 2, "shared_expert": 64}, {"moe_every": 3, "n_layers": 7,
+                                 "d_ff_dense": 96, "n_experts": 5, "top_k": 1}, {"vocab_size": 300, "d_model": 64,
+                                                                                  "n_heads": 2}])
+def test_parameter_count_is_the_built_models(kw):
+    cfg = ModelConfig(**kw)
+    assert cfg.parameter_count() == sum(p.numel() for p in MoETransformer(cfg).parameters())
+
+
+@pytest.mark.parametrize("kw", [{"d_model": 2**20, "n_heads": 2**10}, {"n_layers": 2**30}, {"n_experts": 2**30},
+                                {"d_expert": 2**30}, {"shared_expert": 2**30}])
+def test_sizes_past_the_parameter_bound_are_refused_without_building(kw):
+    with pytest.raises(ValueError, match=r"parameters .* more than 1.1e\+12 \(2\*\*40\)"):
+        ModelConfig(**kw)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_expert",
+                                   "moe_every", "d_ff_dense", "max_seq_len", "shared_expert"])
+def test_every_size_past_int32_is_refused(field):
+    match = "exceeds 1,048,576" if field == "vocab_size" else rf"{field} must be (at most|an integer in \[0,) 2,147,483,647"
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{field: 2**31})

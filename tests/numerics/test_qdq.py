@@ -70,3 +70,40 @@ def test_fp8_code_decoding_covers_every_code():
             got = _fp8_codes_to_float(codes, fmt, out)
             assert torch.equal(got[finite].float(), want[finite])
             assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+
+
+def every_finite_float16() -> torch.Tensor:
+    """Every finite float16 value (63,488 bit patterns with both signs), each heading its
+    own 32-block of zeros so that it is its block's amax."""
+    bits = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    v = bits[torch.isfinite(bits)]
+    x = torch.zeros(v.numel(), 32, dtype=torch.float16)
+    x[:, 0] = v
+    return x
+
+
+@pytest.mark.parametrize("fmt", [f.value for f in ElemFormat])
+@pytest.mark.parametrize("mode", [m.value for m in ScaleMode])
+def test_float16_round_trip_is_finite_and_saturates(fmt, mode):
+    """A float16 tensor's round trip stays finite for every finite float16 value, every
+    element format and scale rule: the MX value (float32) rounded to float16 and saturated
+    to +-65504 (docs/ARCHITECTURE.md); 65504 under rceil E4M3 is MX 65536."""
+    x = every_finite_float16()
+    mx = quantize_mx(x, fmt, scale_mode=mode)
+    exact = mx.dequantize(torch.float32)
+    want = exact.clamp(-65504, 65504).to(torch.float16)
+    for got in (mx.dequantize(torch.float16), fake_quantize_mx(x, fmt, scale_mode=mode)):
+        assert torch.isfinite(got).all()
+        assert same_bits(got, want)
+    if fmt == "e4m3" and mode == "rceil":
+        assert exact[x[:, 0] == 65504][0, 0].item() == 65536.0
+
+
+def test_float16_gemm_operands_near_65504_stay_finite():
+    """mx_linear in float16 with inputs where the MX value rounds past float16's range."""
+    from mxmoe import mx_linear
+
+    x = torch.full((4, 64), 65000.0, dtype=torch.float16)
+    w = torch.full((8, 64), 2.0**-12, dtype=torch.float16)
+    y = mx_linear(x, w, "mxfp8")
+    assert torch.isfinite(y).all()

@@ -297,8 +297,8 @@ def test_compare_reuse_resumes_an_interrupted_recipe_exactly(tmp_path, text_file
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--experts", "0"], "n_experts must be a positive integer"),
-    (["--top-k", "5"], "top_k=5 exceeds n_experts=4"),
+    (["--experts", "0"], "--experts must be a positive integer"),
+    (["--top-k", "5"], "--top-k=5 exceeds --experts=4"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--seq-len", "1000000"], "fewer than seq_len + 1"),
     (["--lr", "0"], "lr must be a positive number"),

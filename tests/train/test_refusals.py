@@ -1,7 +1,8 @@
 """Inputs of ``mxmoe train`` and ``mxmoe export`` that are refused with one line naming
-the value and what would work, before any file is written: an empty --out-dir, a seed
-out of range, a huge vocabulary, --quant-backend triton off CUDA, an export onto its own
-checkpoint or onto a directory path, and a second run into an --out-dir in use."""
+the value (by its flag) and what would work, before any file is written: an empty
+--out-dir, a seed out of range, a huge vocabulary, model sizes out of range (zero, 2**70,
+or more than the machine's memory), --quant-backend triton off CUDA, an export onto its
+own checkpoint or onto a directory path, and a second run into an --out-dir in use."""
 
 from __future__ import annotations
 
@@ -30,16 +31,30 @@ def run_dir(tmp_path_factory, corpus) -> Path:
 
 # (extra flags, message): each refused `mxmoe train` input
 TRAIN_REFUSALS = {
-    "empty out-dir": (["--out-dir", ""], "out_dir must name a directory, got ''; pass e.g. --out-dir"),
-    "blank out-dir": (["--out-dir", "  "], "out_dir must name a directory, got '  '"),
+    "empty out-dir": (["--out-dir", ""], "--out-dir must name a directory, got ''; pass e.g. --out-dir"),
+    "blank out-dir": (["--out-dir", "  "], "--out-dir must name a directory, got '  '"),
     "seed 2**70": (["--seed", str(2**70)], f"seed must be an integer in [0, {MAX_SEED}], got {2**70}"),
     "seed 2**32": (["--seed", str(2**32)], f"seed must be an integer in [0, {MAX_SEED}]"),
     "negative seed": (["--seed", "-1"], f"seed must be an integer in [0, {MAX_SEED}], got -1"),
-    "huge vocab": (["--vocab-size", str(10**11)], "vocab_size 100,000,000,000 exceeds 1,048,576"),
+    "huge vocab": (["--vocab-size", str(10**11)], "--vocab-size 100,000,000,000 exceeds 1,048,576"),
+    "more than memory": (["--width", "8192", "--heads", "64", "--layers", "32", "--experts", "64", "--expert-width",
+                          "8192"], "the model has 420,928,299,008 parameters: their float32 weights, gradients and "
+                                   "AdamW state need 6,272.3 GiB, more than the"),
     "triton on the cpu": (["--quant-backend", "triton", "--recipe", "mxfp8"],
                           "--quant-backend triton runs the Triton kernels, which need a CUDA device; this run is on cpu"),
-    "max-bad-steps 0": (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
+    "max-bad-steps 0": (["--max-bad-steps", "0"], "--max-bad-steps must be an integer in [1, 1,099,511,627,776] (2**40), got 0"),
+    "top-k over experts": (["--top-k", "5"], "--top-k=5 exceeds --experts=4; use --top-k <= --experts"),
+    "moe-every over layers": (["--moe-every", "2"], "--moe-every=2 exceeds --layers=1: no block would have an MoE"),
+    "tokens per step": (["--batch-size", str(2**27)], "--batch-size x --seq-len = 4,294,967,296 tokens per step"),
 }
+# every model size flag, at zero and at 2**70 (which must not hang building the model)
+SIZE_FLAGS = ["--width", "--layers", "--heads", "--experts", "--expert-width", "--dense-width", "--moe-every",
+              "--shared-expert", "--vocab-size", "--seq-len", "--batch-size", "--steps"]
+for _flag in SIZE_FLAGS:
+    _named = "steps must be" if _flag == "--steps" else _flag  # TrainConfig's field is the flag's word
+    TRAIN_REFUSALS[f"{_flag} 2**70"] = ([_flag, str(2**70)], _named)
+    if _flag != "--shared-expert":  # 0 is "no shared expert"
+        TRAIN_REFUSALS[f"{_flag} 0"] = ([_flag, "0"], _named)
 
 
 @pytest.mark.parametrize("case", TRAIN_REFUSALS)

@@ -227,18 +227,18 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, text_file):
 # ---- CLI ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,message", [
-    (["--experts", "0"], "n_experts must be a positive integer"),
-    (["--top-k", "5"], "top_k=5 exceeds n_experts=4"),
+    (["--experts", "0"], "--experts must be a positive integer"),
+    (["--top-k", "5"], "--top-k=5 exceeds --experts=4"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
-    (["--steps", "0"], "steps must be a positive integer"),
+    (["--steps", "0"], "steps must be an integer in [1, 1,099,511,627,776]"),
     (["--lr", "-1"], "lr must be a positive number"),
     (["--device", "gpu"], "unknown device 'gpu'"),
-    (["--grad-clip", "-1"], "grad_clip must be >= 0"),
-    (["--grad-clip", "nan"], "grad_clip must be >= 0"),
-    (["--weight-decay", "-0.1"], "weight_decay must be >= 0"),
-    (["--shared-expert", "-4"], "shared_expert must be an integer >= 0"),
-    (["--vocab-size", "0"], "vocab_size must be a positive integer"),
-    (["--aux-loss-coef", "nan"], "aux_loss_coef must be a finite number >= 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    (["--grad-clip", "nan"], "--grad-clip must be >= 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--shared-expert", "-4"], "--shared-expert must be an integer in [0, 2,147,483,647]"),
+    (["--vocab-size", "0"], "--vocab-size must be a positive integer"),
+    (["--aux-loss-coef", "nan"], "--aux-loss-coef must be a finite number >= 0"),
     (["--seq-len", "1000000"], "fewer than seq_len + 1"),
 ])
 def test_cli_bad_flags_stop_before_work(tmp_path, capsys, flags, message):

@@ -16,7 +16,10 @@ names the value and what would work, before any model is built or any file is wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -160,13 +163,53 @@ def resolve_dtype_flag(args: argparse.Namespace) -> str | None:
     return f"activation dtype {args.dtype}: {why} (--dtype overrides)"
 
 
+# config fields whose flag is not the field's name with dashes
+_FLAG_OF_FIELD = {"d_model": "--width", "n_layers": "--layers", "n_heads": "--heads", "n_experts": "--experts",
+                  "d_expert": "--expert-width", "d_ff_dense": "--dense-width", "max_seq_len": "--seq-len",
+                  "quantized": "--quantize"}
+
+
+def flag_names(message: str) -> str:
+    """``message`` with the config field names in it (those with an underscore, as
+    :class:`TrainConfig` and :class:`ModelConfig` name them) written as the flags that set
+    them: ``d_model`` as ``--width``, ``max_bad_steps`` as ``--max-bad-steps``."""
+    flags = _train_flags()
+
+    def flag(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in _CONFIG_FIELDS:
+            return name
+        f = _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
+        return f if f in flags else name
+
+    return re.sub(r"(?<![-\w])([a-z]+(?:_[a-z0-9]+)+)\b", flag, message)
+
+
+_CONFIG_FIELDS = {f.name for cls in (TrainConfig, ModelConfig) for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _train_flags() -> frozenset[str]:
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    return frozenset(o for a in p._actions for o in a.option_strings)
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     """Build and validate a TrainConfig from parsed flags (``--dtype auto`` resolved by
     :func:`resolve_dtype_flag` first, if not already).
 
     Raises:
-        ValueError: a bad combination (for example top-k > experts).
+        ValueError: a bad combination (for example top-k > experts), its message naming
+            flags, not config fields (:func:`flag_names`).
     """
+    try:
+        return _config_from_args(args, vocab_size)
+    except ValueError as e:
+        raise ValueError(flag_names(str(e))) from None
+
+
+def _config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     resolve_dtype_flag(args)
     model = _hf_model_config(args, vocab_size) if getattr(args, "hf_config", None) else ModelConfig(
         vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,

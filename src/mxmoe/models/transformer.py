@@ -28,6 +28,12 @@ QUANTIZABLE = ("experts", "attention", "dense", "lm_head")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # the largest vocabulary accepted: 4x the largest tokenizers in use (about 256k ids)
 MAX_VOCAB_SIZE = 2**20
+# the most parameters a config may describe: 2**40 (1.1T) float32 weights with their
+# gradients and AdamW state take 16 TiB, beyond any one machine mxmoe trains on
+MAX_PARAMETERS = 2**40
+# the largest size of any one dimension (width, layers, heads, experts, sequence length):
+# sizes index tensors in int32 in the kernels
+MAX_SIZE = 2**31 - 1
 
 
 @dataclass
@@ -91,12 +97,19 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value > MAX_SIZE and name != "vocab_size":  # the vocabulary has its own bound below
+                raise ValueError(f"{name} must be at most {MAX_SIZE:,} (2**31 - 1, an int32 size), got {value!r}")
         if self.vocab_size > MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size {self.vocab_size:,} exceeds {MAX_VOCAB_SIZE:,} (its embedding and LM head "
                              f"alone would take {2 * 4 * self.vocab_size * self.d_model / 2**30:,.1f} GiB in float32); "
                              f"use the corpus's vocabulary (256 for bytes, at most 65,536 for a uint16 .bin file)")
-        if isinstance(self.shared_expert, bool) or not isinstance(self.shared_expert, int) or self.shared_expert < 0:
-            raise ValueError(f"shared_expert must be an integer >= 0 (0: none), got {self.shared_expert!r}")
+        if isinstance(self.shared_expert, bool) or not isinstance(self.shared_expert, int) \
+                or not 0 <= self.shared_expert <= MAX_SIZE:
+            raise ValueError(f"shared_expert must be an integer in [0, {MAX_SIZE:,}] (0: none), got "
+                             f"{self.shared_expert!r}")
+        if self.hf_config is None and self.moe_every > self.n_layers:
+            raise ValueError(f"moe_every={self.moe_every} exceeds n_layers={self.n_layers}: no block would have an "
+                             f"MoE layer; use moe_every <= n_layers")
         for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -105,6 +118,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        params = self.parameter_count()
+        if params > MAX_PARAMETERS:
+            raise ValueError(f"the model would have {params:.3g} parameters (d_model={self.d_model}, "
+                             f"n_layers={self.n_layers}, n_experts={self.n_experts}, d_expert={self.d_expert}, "
+                             f"d_ff_dense={self.d_ff_dense}, shared_expert={self.shared_expert}), more than "
+                             f"{MAX_PARAMETERS:.3g} (2**40); use smaller sizes")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; use top_k <= n_experts")
         if self.hf_config is not None:
@@ -127,6 +146,23 @@ class ModelConfig:
             raise ValueError(f"mx_dispatch must be True or False, got {self.mx_dispatch!r}")
         if self.mx_dispatch and "experts" not in self.quantized:
             raise ValueError("mx_dispatch rounds the expert inputs to MXFP8: it needs 'experts' in quantized")
+
+    def parameter_count(self) -> int:
+        """Parameters of :class:`MoETransformer` built from this config, computed from the
+        sizes without building it (exact: embedding and LM head 2 V D, final norm D; per
+        block two norms 2 D, attention 4 D^2, and either an MoE FFN, router D E plus experts
+        3 D F E plus a shared expert 3 D S, or a dense SwiGLU 3 D F_dense). For an
+        ``hf_config`` model it is the same formula over the mirrored sizes, an estimate.
+
+        Returns:
+            int, a Python int (no overflow for any sizes).
+        """
+        d = self.d_model
+        moe = d * self.n_experts + 3 * d * self.d_expert * self.n_experts + 3 * d * self.shared_expert
+        dense = 3 * d * self.d_ff_dense
+        n_moe = self.n_layers // self.moe_every
+        per_block = 2 * d + 4 * d * d
+        return 2 * self.vocab_size * d + d + self.n_layers * per_block + n_moe * moe + (self.n_layers - n_moe) * dense
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -233,13 +233,19 @@ def check_dequantize_call(mx: MXTensor, dtype: torch.dtype) -> None:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
 
 
+# float16's largest finite value: float16 outputs saturate to it (docs/ARCHITECTURE.md)
+FLOAT16_MAX = 65504.0
+
+
 def torch_dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Dequantize ``mx`` in pure torch: v'_i = P_i * 2^(b - 127) exactly in float32, then
     cast to ``dtype`` (the reference of :func:`mxmoe.dequantize_mx`).
 
     Args:
         mx: an :class:`MXTensor`.
-        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value).
+        dtype: float32 (default), bfloat16 or float16 (rounded from the float32 value;
+            float16 saturates: values beyond its largest finite 65504 become +-65504, not
+            inf; docs/ARCHITECTURE.md, "The three GEMMs of a linear layer").
 
     Returns:
         Tensor of ``mx.shape`` (padding dropped), contiguous, blocked dim where it was;
@@ -256,4 +262,6 @@ def torch_dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Ten
         values = torch_dequantize_blocks(blocks, scale_bits, mx.fmt).view(codes.shape)
         if mx.orig_size != codes.shape[mx.dim]:
             values = values.narrow(mx.dim, 0, mx.orig_size)
+        if dtype == torch.float16:  # saturate (NaN stays NaN): a float16 round trip stays finite
+            values = values.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         return values.to(dtype).contiguous()

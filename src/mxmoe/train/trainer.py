@@ -145,10 +145,15 @@ class TrainConfig:
             _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
         for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches", "max_bad_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                _bad(f"{name} must be a positive integer, got {value!r}")
-        if self.ckpt_interval < 0 or self.warmup_steps < 0:
-            _bad("ckpt_interval and warmup_steps must be >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+                _bad(f"{name} must be an integer in [1, {MAX_COUNT:,}] (2**40), got {value!r}")
+        for name in ("ckpt_interval", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+                _bad(f"{name} must be an integer in [0, {MAX_COUNT:,}] (2**40), got {value!r}")
+        if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:
+            _bad(f"batch_size x seq_len = {self.batch_size * self.seq_len:,} tokens per step exceeds "
+                 f"{MAX_TOKENS_PER_STEP:,} (2**31, int32 row indices); use a smaller batch_size or seq_len")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             _bad(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir).strip():
@@ -540,6 +545,42 @@ def check_backend_device(cfg: TrainConfig, device: torch.device) -> None:
                          f"for Triton's (slow) CPU interpreter")
 
 
+# the largest step count or interval accepted (2**40 steps would never end)
+MAX_COUNT = 2**40
+# the most tokens one step may take: rows are indexed in int32 in the kernels
+MAX_TOKENS_PER_STEP = 2**31
+
+
+# bytes each parameter takes in training: float32 weight and gradient, AdamW's two moments
+TRAIN_BYTES_PER_PARAMETER = 16
+
+
+def check_model_fits(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse, before any file is written, a model whose float32 weights, gradients and
+    AdamW state (16 bytes per parameter, :meth:`ModelConfig.parameter_count`) exceed the
+    memory of ``device`` (CUDA: the GPU's total memory, its experts split over
+    ``cfg.expert_parallel`` ranks; the CPU: the machine's physical memory). Activations
+    come on top, so a run that passes may still run out of memory; one that fails cannot
+    fit.
+
+    Raises:
+        ValueError: naming the parameter count, the bytes needed and the memory there is.
+    """
+    params = cfg.model.parameter_count()
+    need = params * TRAIN_BYTES_PER_PARAMETER / max(1, cfg.expert_parallel)
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"the GPU {device}"
+    else:
+        try:
+            have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+        except (ValueError, OSError, AttributeError):
+            return  # the platform does not say; the allocator will
+    if need > have:
+        raise ValueError(f"the model has {params:,} parameters: their float32 weights, gradients and AdamW state "
+                         f"need {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {where}; use "
+                         f"smaller --width, --layers, --experts or --expert-width")
+
+
 @contextlib.contextmanager
 def out_dir_lock(out: Path, enabled: bool = True):
     """Hold an advisory lock (``fcntl.flock`` on ``out/.mxmoe.lock``) for the body: a second
@@ -577,6 +618,7 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
     """The training loop of :func:`train` on ``device``: one process (``env`` None) or one
     rank of an expert-parallel group (``env``); rank 0 holds the out-dir lock."""
     check_backend_device(cfg, device)
+    check_model_fits(cfg, device)
     prepared = prepare_run(cfg, resume, corpus)  # every refusal before any file is written
     main = env is None or env.rank == 0
     with out_dir_lock(prepared.out, enabled=main):
