@@ -32,6 +32,7 @@ SCRIPTS = {
     "linear.py": 120,
     "train_step.py": 120,
     "hf_model.py": 120,
+    "cpu_train.py": 240,
     "expert_parallel.py": 240,
 }
 SLOW = {"expert_parallel.py"}

@@ -21,9 +21,31 @@ CPUS = {"AVX2 only": (False, False, "float32"), "AVX512-BF16": (True, False, "bf
         "AMX": (False, True, "bfloat16"), "both": (True, True, "bfloat16")}
 
 
-def fake_cpu(monkeypatch, bf16: bool, amx: bool) -> None:
+def fake_cpu(monkeypatch, bf16: bool, amx: bool, capability: str = "AVX512", isa: str | None = None) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+
+
+# (ATen capability, ONEDNN_MAX_CPU_ISA) on a CPU with AVX512-BF16 -> the dtype auto picks
+SWITCHES = {"ATen at avx2": ("AVX2", None, "float32"), "oneDNN at AVX2": ("AVX512", "AVX2", "float32"),
+            "oneDNN at AVX512_CORE": ("AVX512", "avx512_core", "float32"),
+            "oneDNN at AVX512_CORE_BF16": ("AVX512", "AVX512_CORE_BF16", "bfloat16"),
+            "oneDNN at AMX": ("AVX512", "AVX512_CORE_AMX", "bfloat16"), "oneDNN ALL": ("AVX512", "ALL", "bfloat16")}
+
+
+@pytest.mark.parametrize("case", SWITCHES)
+def test_bf16_switched_off_for_torch_counts_as_absent(monkeypatch, case):
+    capability, isa, want = SWITCHES[case]
+    fake_cpu(monkeypatch, True, False, capability, isa)
+    dtype, why = default_activation_dtype(torch.device("cpu"))
+    assert dtype == want
+    assert ("switched off" in why) == (want == "float32")
 
 
 @pytest.mark.parametrize("cpu", CPUS)

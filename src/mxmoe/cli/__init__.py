@@ -28,6 +28,7 @@ from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
 from ..train.checkpoint import CHECKPOINT_NAME
+from ..train.cpu import set_threads_for_free_cores
 from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
 from .presets import add_preset_argument, parse_with_preset
 
@@ -269,6 +270,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = resolve_dtype_flag(args)
     if note and is_main_process():
         print(note, flush=True)
+    if args.expert_parallel == 1 and resolve_device(args.device).type == "cpu":
+        note = set_threads_for_free_cores()
+        if note:
+            print(note, flush=True)
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
     r = train(cfg, resume=args.resume, corpus=corpus)

@@ -242,13 +242,24 @@ def default_activation_dtype(device: torch.device) -> tuple[str, str]:
     (AVX512-BF16 or AMX tiles, as ``torch.cpu`` reports them); elsewhere (AVX2-only x86
     CPUs, most laptops and many cloud VMs, and other architectures) bf16 matmuls are
     emulated, several times slower than float32, so float32 (measured on a 2-core AVX2
-    EPYC: 19.4 s per step of the default model in bf16, about 1.3 s in float32).
+    EPYC: 19.4 s per step of the default model in bf16, about 1.3 s in float32). The same
+    where the instructions exist but are switched off for torch (``ATEN_CPU_CAPABILITY``
+    below avx512, ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16).
     """
     if device.type == "cuda":
         return "bfloat16", "a CUDA device"
     capability = torch.backends.cpu.get_cpu_capability()
     native = [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
                                      ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    # the instructions may be there but switched off for torch: ATEN_CPU_CAPABILITY below
+    # AVX512 for ATen's kernels, or ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 for oneDNN's
+    # matmuls (then bf16 is emulated as on a CPU without them)
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    if native and (capability in ("DEFAULT", "AVX2") or not (isa == "ALL" or any(
+            k in isa for k in ("BF16", "FP16", "AMX", "AVX10")))):
+        return "float32", (f"bf16 instructions are switched off for torch (torch capability {capability}, "
+                           f"ONEDNN_MAX_CPU_ISA {isa}), where bf16 matmuls are emulated and several times slower "
+                           f"than float32")
     if native:
         return "bfloat16", f"this CPU computes bf16 natively ({' and '.join(native)}; torch capability {capability})"
     return "float32", (f"this CPU has no native bf16 (no AVX512-BF16 or AMX; torch capability {capability}), where "

@@ -24,6 +24,7 @@ import torch
 
 from .checkpoint import CHECKPOINT_NAME, load_checkpoint, write_json
 from .compare import RESULT_NAME
+from .cpu import set_threads_for_free_cores
 from .data import load_corpus
 from .trainer import TrainConfig, resolve_device, train
 
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"mxmoe compare ({cfg.recipe})"
     try:
         device = resolve_device(cfg.device)
+        if device.type == "cpu" and cfg.expert_parallel == 1:
+            note = set_threads_for_free_cores()
+            if note:
+                print(f"{tag}: {note}", flush=True)
         (out / RESULT_NAME).unlink(missing_ok=True)
         if not args.resume:  # a new run: no checkpoint of an older one may be resumed into it later
             (out / CHECKPOINT_NAME).unlink(missing_ok=True)
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "train": cfg.to_dict(), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "memory_kind": "cuda_max_memory_allocated" if device.type == "cuda" else "process_peak_rss",
-        "rss_before_model_gib": rss_before, "torch": torch.__version__, "git": git_describe(),
+        "rss_before_model_gib": rss_before, "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "torch": torch.__version__, "git": git_describe(),
         "finished_unix_s": time.time(),
     })
     return 0
