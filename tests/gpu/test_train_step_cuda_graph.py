@@ -13,7 +13,10 @@ On the model of ``mxmoe train --preset h200``, for the bf16 and mxfp8 recipes:
 2. Eager steps with every fresh allocation filled with NaN
    (``torch.utils.deterministic.fill_uninitialized_memory``) stay finite: no kernel reads
    memory it did not write.
-3. ``mxmoe train`` (graphed, mxfp8, 2 of the preset's blocks to keep the checkpoints small)
+3. A step whose loss turns NaN inside the replayed graph (a NaN written into a buffer the
+   graph reads) is skipped on the device: its "skipped" flag is set, the parameters are
+   those before it, and the steps after it run and stay finite.
+4. ``mxmoe train`` (graphed, mxfp8, 2 of the preset's blocks to keep the checkpoints small)
    for 12 steps with a checkpoint at step 6, against a run stopped right after that
    checkpoint and resumed: the losses of steps 1-12 are equal.
 """
@@ -125,6 +128,48 @@ def test_steps_with_nan_filled_fresh_memory_stay_finite(recipe):
         torch.use_deterministic_algorithms(False)
         torch.utils.deterministic.fill_uninitialized_memory = fill
     assert all(map(math.isfinite, losses + norms)), f"losses {losses}, gradient norms {norms}"
+
+
+class PoisonableModel(MoETransformer):
+    """The model with a float32 buffer ``poison`` (0) added into the loss times the loss:
+    writing NaN into it makes the next replayed step's loss and gradients NaN."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.register_buffer("poison", torch.zeros(()))
+
+    def forward(self, idx, targets=None):
+        out = super().forward(idx, targets)
+        if targets is not None:
+            out.loss = out.loss + self.poison * out.loss
+        return out
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_a_nan_step_inside_the_graph_is_skipped_on_the_device(recipe):
+    cfg = h200_config(recipe)
+    cfg.grad_clip = 1.0
+    data = batches(cfg, 5)
+    torch.manual_seed(0)
+    base = PoisonableModel(cfg.model, get_recipe(recipe)).to(DEV)
+    graphed = copy.deepcopy(base)
+    step = TrainStep(graphed, make_optimizer(graphed, cfg), cfg.grad_clip, DEV, cuda_graph=True)
+    skipped, params_before = [], None
+    with sdpa_kernel([SDPBackend.MATH]):
+        for i, (x, y) in enumerate(data):
+            if i == 3:  # steps 1 (eager) and 2 (captured) ran; step 4 replays with NaN
+                graphed.poison.fill_(float("nan"))
+                params_before = [p.detach().clone() for p in graphed.parameters()]
+            outs = step(x, y, cfg.lr)
+            skipped.append(bool(outs.skipped))
+            if i == 3:
+                assert not math.isfinite(outs.grad_norm.item())
+                assert all(torch.equal(p, q) for p, q in zip(graphed.parameters(), params_before)), \
+                    "a parameter changed in the skipped step"
+                graphed.poison.zero_()
+    assert step.graphed, "the graphed step fell back to eager (capture failed)"
+    assert skipped == [False, False, False, True, False]
+    assert all(torch.isfinite(p).all() for p in graphed.parameters())
 
 
 STOP_AT_CHECKPOINT_6 = """

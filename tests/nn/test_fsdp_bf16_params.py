@@ -42,7 +42,11 @@ def test_fsdp2_bf16_params_equal_a_bf16_layer(process_group, name):
     bf16 = make()
     bf16.load_state_dict(sharded.state_dict())
     bf16 = bf16.to(torch.bfloat16)
-    fully_shard(sharded, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))  # on the CPU also where CUDA is (fully_shard would move to it)
+    fully_shard(sharded, mesh=mesh,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y_sharded, y_bf16 = forward(sharded, x), forward(bf16, x)
     assert y_sharded.dtype == torch.bfloat16 and torch.equal(y_sharded, y_bf16)

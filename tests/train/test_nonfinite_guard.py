@@ -20,7 +20,9 @@ from mxmoe.train.trainer import make_optimizer, nonfinite_state
 
 TINY_FLAGS = ["--layers", "1", "--width", "64", "--heads", "2", "--experts", "4", "--top-k", "2",
               "--expert-width", "64", "--batch-size", "2", "--seq-len", "32", "--no-progress",
-              "--eval-batches", "1", "--recipe", "bf16", "--dtype", "float32"]
+              "--eval-batches", "1", "--recipe", "bf16", "--dtype", "float32", "--device", "cpu"]
+# on the CPU: the poisoned forward is Python, which a CUDA graph's replay does not run (the
+# guard inside a graph: tests/gpu/test_train_step_cuda_graph.py)
 
 # how a step goes bad: the loss stays finite and its gradient turns NaN or inf, or the
 # loss itself is NaN (and so every gradient)
@@ -70,7 +72,7 @@ def tiny_config(out: Path, data: Path, **kw) -> TrainConfig:
                         dtype="float32")
     base = {"recipe": "bf16", "batch_size": 2, "seq_len": 32, "steps": 6, "eval_interval": 100, "eval_batches": 1,
             "ckpt_interval": 2, "out_dir": str(out), "data": str(data), "progress": False, "model": model,
-            "warmup_steps": 1}
+            "warmup_steps": 1, "device": "cpu"}
     base.update(kw)
     return TrainConfig(**base)
 
