@@ -1,5 +1,6 @@
 """Test session setup: without a GPU, Triton kernels run in the Triton interpreter
-(TRITON_INTERPRET must be set before triton is imported). Shared fixtures: ``corpus``."""
+(TRITON_INTERPRET must be set before triton is imported). Shared fixtures: ``corpus``,
+``tiny_flags`` and ``tiny_run``."""
 
 import os
 from pathlib import Path
@@ -19,3 +20,27 @@ def corpus(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data") / "corpus.txt"
     data.write_bytes(b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py"))))
     return data
+
+
+# a model and run small enough for many `mxmoe train` calls on a 2-core CPU
+TINY_FLAGS = ("--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width",
+              "64", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "1", "--device",
+              "cpu", "--no-progress", "--recipe", "bf16", "--dtype", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_flags() -> list[str]:
+    """`mxmoe train` flags of a tiny model and run on the CPU (bf16 recipe, float32
+    activations), without --data, --steps and --out-dir."""
+    return list(TINY_FLAGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, corpus, tiny_flags) -> Path:
+    """The out-dir of a finished 2-step ``tiny_flags`` run on ``corpus`` (one per session:
+    copy it before changing anything in it)."""
+    from mxmoe.cli import main
+
+    out = tmp_path_factory.mktemp("tiny_run") / "r"
+    assert main(["train", *tiny_flags, "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
+    return out

@@ -18,16 +18,6 @@ import torch
 from mxmoe.cli import main
 from mxmoe.train.checkpoint import CHECKPOINT_NAME, CHECKSUMS_KEY, save_checkpoint
 
-FLAGS = ["--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width", "64",
-         "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu",
-         "--no-progress", "--recipe", "bf16", "--dtype", "float32"]
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus) -> Path:
-    out = tmp_path_factory.mktemp("run") / "r"
-    assert main(["train", *FLAGS, "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
-    return out
 
 
 def _edit(path: Path, fn) -> None:
@@ -75,24 +65,24 @@ if os.geteuid() != 0:  # root reads any file
     VARIANTS["unreadable"] = (lambda p: p.chmod(0), "is not a readable torch checkpoint")
 
 
-def run(command: str, run: Path, corpus: Path, tmp_path: Path) -> int:
+def run(command: str, run: Path, corpus: Path, tmp_path: Path, flags: list[str]) -> int:
     if command == "train --resume":
-        return main(["train", *FLAGS, "--data", str(corpus), "--steps", "4", "--out-dir", str(run), "--resume"])
+        return main(["train", *flags, "--data", str(corpus), "--steps", "4", "--out-dir", str(run), "--resume"])
     if command == "eval":
         return main(["eval", str(run), "--device", "cpu"])
     return main(["export", str(run), str(tmp_path / "o.safetensors")])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_command_gives_the_same_one_line_error(run_dir, corpus, tmp_path, capsys, variant):
+def test_every_command_gives_the_same_one_line_error(tiny_run, tiny_flags, corpus, tmp_path, capsys, variant):
     make, expected = VARIANTS[variant]
     bad = tmp_path / "bad"
-    shutil.copytree(run_dir, bad)
+    shutil.copytree(tiny_run, bad)
     make(bad / CHECKPOINT_NAME)
     before = {p.name: p.read_bytes() for p in bad.iterdir() if p.is_file()}
     messages = {}
     for command in ("train --resume", "eval", "export"):
-        rc = run(command, bad, corpus, tmp_path)
+        rc = run(command, bad, corpus, tmp_path, tiny_flags)
         err = capsys.readouterr().err
         prefix = f"mxmoe {command.split()[0]}: error: "
         assert rc == 2, (command, err)
@@ -105,8 +95,8 @@ def test_every_command_gives_the_same_one_line_error(run_dir, corpus, tmp_path, 
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_good_checkpoint_still_resumes_evaluates_and_exports(run_dir, corpus, tmp_path):
+def test_a_good_checkpoint_still_resumes_evaluates_and_exports(tiny_run, tiny_flags, corpus, tmp_path):
     good = tmp_path / "good"
-    shutil.copytree(run_dir, good)
+    shutil.copytree(tiny_run, good)
     for command in ("eval", "export", "train --resume"):
-        assert run(command, good, corpus, tmp_path) == 0, command
+        assert run(command, good, corpus, tmp_path, tiny_flags) == 0, command

@@ -15,26 +15,16 @@ from mxmoe.train.checkpoint import CHECKSUMS_KEY, load_checkpoint, save_checkpoi
 from mxmoe.train.data import load_corpus
 from mxmoe.train.trainer import DATA_HASH_KEY
 
-FLAGS = ["--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width", "64",
-         "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "1", "--device", "cpu",
-         "--no-progress", "--recipe", "bf16", "--dtype", "float32"]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus) -> Path:
-    out = tmp_path_factory.mktemp("run") / "r"
-    assert main(["train", *FLAGS, "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
-    return out
-
-
-def test_the_checkpoint_holds_the_corpus_hash(run_dir, corpus):
-    assert load_checkpoint(run_dir)[DATA_HASH_KEY] == load_corpus(corpus).fingerprint()
+def test_the_checkpoint_holds_the_corpus_hash(tiny_run, corpus):
+    assert load_checkpoint(tiny_run)[DATA_HASH_KEY] == load_corpus(corpus).fingerprint()
 
 
 @pytest.mark.parametrize("spelling", ["relative", "with ..", "a symlink", "a copy"])
-def test_the_same_tokens_by_another_path_resume(run_dir, corpus, tmp_path, monkeypatch, spelling):
+def test_the_same_tokens_by_another_path_resume(tiny_run, tiny_flags, corpus, tmp_path, monkeypatch, spelling):
     run = tmp_path / "r"
-    shutil.copytree(run_dir, run)
+    shutil.copytree(tiny_run, run)
     if spelling == "relative":
         monkeypatch.chdir(corpus.parent)
         data = corpus.name
@@ -46,14 +36,14 @@ def test_the_same_tokens_by_another_path_resume(run_dir, corpus, tmp_path, monke
     else:
         data = str(tmp_path / "copy.txt")
         shutil.copy(corpus, data)
-    assert main(["train", *FLAGS, "--data", data, "--steps", "3", "--out-dir", str(run), "--resume"]) == 0
+    assert main(["train", *tiny_flags, "--data", data, "--steps", "3", "--out-dir", str(run), "--resume"]) == 0
     assert load_checkpoint(run)["step"] == 3
 
 
 @pytest.mark.parametrize("change", ["one byte", "another file"])
-def test_other_tokens_under_the_same_name_are_refused(run_dir, corpus, tmp_path, capsys, change):
+def test_other_tokens_under_the_same_name_are_refused(tiny_run, tiny_flags, corpus, tmp_path, capsys, change):
     run = tmp_path / "r"
-    shutil.copytree(run_dir, run)
+    shutil.copytree(tiny_run, run)
     data = tmp_path / corpus.name
     raw = bytearray(corpus.read_bytes())
     if change == "one byte":
@@ -62,21 +52,21 @@ def test_other_tokens_under_the_same_name_are_refused(run_dir, corpus, tmp_path,
         raw = raw[: len(raw) // 2]
     data.write_bytes(bytes(raw))
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    rc = main(["train", *FLAGS, "--data", str(data), "--steps", "3", "--out-dir", str(run), "--resume"])
+    rc = main(["train", *tiny_flags, "--data", str(data), "--steps", "3", "--out-dir", str(run), "--resume"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert f"--data {str(data)!r} holds other tokens than the corpus the checkpoint in" in err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
-def test_a_checkpoint_without_the_hash_compares_the_text(run_dir, corpus, tmp_path, capsys):
+def test_a_checkpoint_without_the_hash_compares_the_text(tiny_run, tiny_flags, corpus, tmp_path, capsys):
     run = tmp_path / "r"
-    shutil.copytree(run_dir, run)
+    shutil.copytree(tiny_run, run)
     ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
     del ckpt[DATA_HASH_KEY], ckpt[CHECKSUMS_KEY]
     save_checkpoint(run, ckpt)
     link = tmp_path / "link.txt"
     link.symlink_to(corpus)
-    rc = main(["train", *FLAGS, "--data", str(link), "--steps", "3", "--out-dir", str(run), "--resume"])
+    rc = main(["train", *tiny_flags, "--data", str(link), "--steps", "3", "--out-dir", str(run), "--resume"])
     assert rc == 2 and "data (--data): checkpoint" in capsys.readouterr().err
-    assert main(["train", *FLAGS, "--data", str(corpus), "--steps", "3", "--out-dir", str(run), "--resume"]) == 0
+    assert main(["train", *tiny_flags, "--data", str(corpus), "--steps", "3", "--out-dir", str(run), "--resume"]) == 0
