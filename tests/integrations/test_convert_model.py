@@ -131,3 +131,16 @@ def test_every_family_of_the_interface_has_a_layout():
     assert layouts["qwen3_moe"].fused and not layouts["gpt_oss"].fused
     assert layouts["gpt_oss"].has_bias and layouts["gpt_oss"].is_transposed and not layouts["gpt_oss"].is_concatenated
     assert config("qwen3_moe").model_type == "qwen3_moe"
+
+
+def test_the_log_names_the_default_filter(caplog):
+    """Without a module_filter_fn the LM head is kept by the default filter, and the log
+    line says so (not "excluded by module_filter_fn", which the user did not pass)."""
+    import logging
+
+    model = causal_lm("qwen3_moe")
+    with caplog.at_level(logging.INFO, logger="mxmoe"):
+        mxmoe.convert_to_mxfp8(model)
+    kept = [r.getMessage() for r in caplog.records if "kept" in r.getMessage()]
+    assert kept and "lm_head (excluded by the default filter: LM head and routers stay in high precision)" in kept[0]
+    assert "module_filter_fn" not in kept[0]

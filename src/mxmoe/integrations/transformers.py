@@ -333,6 +333,7 @@ def default_module_filter(model: nn.Module) -> ModuleFilter:
         last = fqn.rsplit(".", 1)[-1]
         return module is not head and last != "lm_head" and last not in _ROUTER_NAMES
 
+    keep_others.description = "the default filter: LM head and routers stay in high precision"  # the log says it
     return keep_others
 
 

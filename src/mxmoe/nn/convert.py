@@ -73,7 +73,8 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
     such as ``nn.MultiheadAttention.out_proj``, whose owner reads the weight without
     calling the module, filtered-out modules) are listed in one INFO line of the
     ``"mxmoe"`` logger: ``convert_to_mxfp8: kept 2 modules in high precision: head
-    (K=30 not a multiple of 32), lm_head (excluded by module_filter_fn); ...``.
+    (K=30 not a multiple of 32), lm_head (excluded by module_filter_fn); ...`` (a filter
+    with a ``description`` attribute is named by it).
 
     Call it before wrapping the model (FSDP, DDP, ``torch.compile``) and before
     :func:`mxmoe.distributed.shard_experts`, which copies the recipe of each MoE.
@@ -101,6 +102,8 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
         raise TypeError(f"module_filter_fn must be callable as (module, fqn) -> bool, got {module_filter_fn!r}")
     kept: list[str] = []
     to_set: list[nn.Module] = []  # mxmoe modules that take the recipe
+    # how the log names the filter: a filter may say what it is (``description``)
+    excluded_by = f"excluded by {getattr(module_filter_fn, 'description', 'module_filter_fn')}"
 
     # Plan first, change nothing: every check that can raise runs before the model is touched.
     def plan_one(module: nn.Module, fqn: str) -> nn.Module:
@@ -114,13 +117,13 @@ def convert_to_mxfp8(model: nn.Module, recipe: Recipe | str = "mxfp8",
                 module._check_recipe(recipe)
                 to_set.append(module)
             elif not module.recipe.quantize:
-                kept.append(f"{label} (excluded by module_filter_fn, recipe {module.recipe.name})")
+                kept.append(f"{label} ({excluded_by}, recipe {module.recipe.name})")
             return module
         if type(module) is not nn.Linear:
             kept.append(f"{label} ({type(module).__name__}, a subclass of nn.Linear: not swapped)")
             return module
         if not allowed:
-            kept.append(f"{label} (excluded by module_filter_fn)")
+            kept.append(f"{label} ({excluded_by})")
             return module
         reason = _shape_reason(module, recipe.block_size) or _dtype_reason(module)
         if reason is not None:
