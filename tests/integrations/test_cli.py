@@ -91,3 +91,39 @@ def test_export_refuses_a_transformers_run(tmp_path, text_file, capsys):
     assert main(["eval", str(out), "--data", str(text_file)]) == 0  # evaluation builds the same model
     assert main(["export", str(out), str(tmp_path / "m.safetensors")]) == 2
     assert "use save_pretrained" in capsys.readouterr().err
+
+
+# config.json files transformers or the model would fail on: refused in one line, nothing written
+BAD_CONFIGS = {
+    "not JSON": ("{bad", "is not a JSON file"),
+    "not UTF-8": (b"\xff\xfe{}", "is not a JSON file"),
+    "a list as model_type": ('{"model_type": ["qwen3_moe"]}', "is not a transformers config.json"),
+    "a string width": ('{"model_type": "qwen3_moe", "hidden_size": "abc"}', "transformers refuses this qwen3_moe"),
+    "KV heads not dividing the heads": ('{"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2, '
+                                        '"num_key_value_heads": 3, "head_dim": 32}', "is not a multiple of"),
+    "an odd head dimension": ('{"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2, '
+                              '"num_key_value_heads": 2, "head_dim": 21}',
+                              "head dimension 21|transformers refuses this qwen3_moe"),  # newer transformers check it
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_bad_config_files_are_refused_before_writing(case, tmp_path, text_file, capsys):
+    content, message = BAD_CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    rc = main(["train", "--hf-config", str(path), *RUN, "--data", str(text_file), "--out-dir", str(tmp_path / "r"),
+               "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(message, err) and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_heads_that_do_not_split_the_width_are_refused(tmp_path, text_file, capsys):
+    sizes = [s if s != "4" or i != 5 else "3" for i, s in enumerate(SIZES)]  # --heads 3 on width 64
+    assert sizes[4:6] == ["--heads", "3"]
+    rc = main(["train", "--hf-config", "qwen3_moe", *sizes, *RUN, "--data", str(text_file), "--out-dir",
+               str(tmp_path / "r"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and ("attention heads" in err or "head dimension" in err), err
+    assert not (tmp_path / "r").exists()

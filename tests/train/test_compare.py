@@ -205,6 +205,38 @@ def test_report_command_errors(tmp_path, capsys):
     assert "positive number of TFLOP/s" in capsys.readouterr().err
 
 
+def _edit_json(path: Path, fn) -> None:
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(d)))
+
+
+# damage of the kind the second adversarial pass found: fields of the wrong kind or missing
+DAMAGED_RUNS = {
+    "config.json without the recipe": lambda d: _edit_json(d / "bf16" / "config.json",
+                                                           lambda c: {"train": {"steps": 40}}),
+    "config.json without flops_per_token": lambda d: _edit_json(d / "bf16" / "config.json",
+                                                                lambda c: {k: v for k, v in c.items()
+                                                                           if k != "flops_per_token"}),
+    "a number as device": lambda d: _edit_json(d / "mxfp8" / "result.json", lambda r: {**r, "device": 5}),
+    "result.json a list": lambda d: (d / "mxfp8" / "result.json").write_text("[1, 2, 3]"),
+    "metrics without mem_gib": lambda d: (d / "bf16" / "metrics.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "mem_gib"}) + "\n"
+        for line in (d / "bf16" / "metrics.jsonl").read_text().splitlines())),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_RUNS)
+def test_report_of_damaged_runs_is_one_line(tmp_path, capsys, damage):
+    fake_run(tmp_path, "bf16", val=2.0, ms=100.0, mem=1.0)
+    fake_run(tmp_path, "mxfp8", val=2.01, ms=90.0, mem=0.8)
+    DAMAGED_RUNS[damage](tmp_path)
+    rc = main(["report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc in (0, 2) and "Traceback" not in err  # read around the damage, or refused in one line
+    if rc == 2:
+        assert err.startswith("mxmoe report: error: ") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("text,message", [
     ("bf16,fp4", "unknown recipe(s) ['fp4']"),
     ("", "empty entry"),

@@ -18,7 +18,8 @@ FLAGS = ["--width", "64", "--layers", "1", "--heads", "2", "--experts", "4", "--
 
 
 def line(step: int, kind: str = "train") -> bytes:
-    return json.dumps({"kind": kind, "step": step, "loss": 5.0 - step / 10}).encode()
+    extra = {"ms_per_step": 10.0} if kind == "train" else {"val_loss": 5.1 - step / 10}
+    return json.dumps({"kind": kind, "step": step, "loss": 5.0 - step / 10, **extra}).encode()
 
 
 # each kind of damage, as the bytes of one line (no newline)
@@ -31,6 +32,13 @@ DAMAGE = {
     "a json string": b'"step"',
     "a non-integer step": b'{"kind": "train", "step": "3"}',
     "two lines glued": line(3)[:-1] + line(4),
+    # well-formed JSON without what its kind holds (a resume must not trip on it later)
+    "no kind": b'{"step": 3}',
+    "an unknown kind": b'{"kind": "note", "step": 3, "loss": 1.0}',
+    "a train line without its loss": b'{"kind": "train", "step": 3, "ms_per_step": 10.0}',
+    "a string loss": b'{"kind": "train", "step": 3, "loss": "abc", "ms_per_step": 10.0}',
+    "an eval line without val_loss": b'{"kind": "eval", "step": 3, "loss": 1.0}',
+    "a negative step": b'{"kind": "train", "step": -1, "loss": 1.0, "ms_per_step": 10.0}',
 }
 
 
@@ -46,8 +54,8 @@ def test_truncate_keeps_valid_lines_around_damage(tmp_path, damage, where):
     assert path.read_bytes() == b"\n".join(good[:5]) + b"\n"  # steps 0..4 kept byte for byte
     assert trim.kept == 5 and trim.damaged == [at + 1] and trim.past == 2
     msg = trim.describe("metrics.jsonl", 4)
-    assert msg == (f"metrics.jsonl: kept 5 lines, dropped 1 damaged line (line {at + 1}: torn, NUL bytes or not a "
-                   f"JSON object) and 2 lines past the checkpoint's step 4 (written again)")
+    assert msg == (f"metrics.jsonl: kept 5 lines, dropped 1 damaged line (line {at + 1}: torn, NUL bytes, not a "
+                   f"JSON object or missing the fields of its kind) and 2 lines past the checkpoint's step 4 (written again)")
 
 
 def test_nul_padding_around_a_valid_line_is_removed_and_the_line_kept(tmp_path):

@@ -118,3 +118,71 @@ def test_the_lock_is_released_and_taken_again(tmp_path):
         pass
     with out_dir_lock(tmp_path / "o"):
         pass
+
+
+# ---- inputs found by the second adversarial pass ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "character device"])
+def test_data_that_is_not_a_regular_file_is_refused_without_reading(tmp_path, capsys, kind):
+    """A FIFO or a device as --data would be read forever (load_corpus reads the whole file)."""
+    if kind == "fifo":
+        data = tmp_path / "fifo"
+        os.mkfifo(data)
+    else:
+        data = Path("/dev/zero")
+        if not data.exists():
+            pytest.skip("no /dev/zero")
+    rc = main(["train", *FLAGS, "--recipe", "bf16", "--data", str(data), "--steps", "1", "--out-dir",
+               str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not a regular file or a directory" in err and err.count("\n") == 1, err
+
+
+def test_an_evaluation_set_past_the_bound_is_refused(corpus, run_dir, tmp_path, capsys):
+    rc = main(["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--eval-batches", str(2**40),
+               "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokens per evaluation set exceeds 134,217,728" in err and "--eval-batches" in err, err
+    assert main(["eval", str(run_dir), "--device", "cpu", "--batch-size", str(2**70)]) == 2
+    assert "tokens exceeds 134,217,728" in capsys.readouterr().err
+
+
+def test_a_checkpoint_with_nonfinite_weights_is_refused_by_every_loader(corpus, run_dir, tmp_path, capsys):
+    """Checksums that match but a NaN weight (written by other code or edited): resume,
+    eval and export refuse it in one line naming the file and the tensor."""
+    import torch
+
+    from mxmoe.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+
+    bad = tmp_path / "bad"
+    shutil.copytree(run_dir, bad)
+    state = load_checkpoint(bad, verify=False)
+    state["model"]["embed"][0, 0] = float("nan")
+    save_checkpoint(bad, state)  # checksums of the NaN weights: they match
+    for argv in (["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "3", "--out-dir", str(bad),
+                  "--resume"], ["eval", str(bad), "--device", "cpu"], ["export", str(bad), str(tmp_path / "x.st")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{str(bad / CHECKPOINT_NAME)!r} holds non-finite weights ('embed' has NaN or inf)" in err, err
+        assert err.count("\n") == 1
+    assert not (tmp_path / "x.st").exists()
+    assert torch.isnan(load_checkpoint(bad, verify=False)["model"]["embed"][0, 0])  # left as it was
+
+
+def test_overwrite_removes_the_old_runs_checkpoint(corpus, run_dir, tmp_path, monkeypatch, capsys):
+    """A run started with --overwrite and stopped before its first checkpoint leaves no
+    checkpoint of the old run behind (a resume or an eval would read the old weights)."""
+    from mxmoe.train import trainer
+
+    out = tmp_path / "r"
+    shutil.copytree(run_dir, out)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_checkpoint", interrupted)
+    rc = main(["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "2", "--lr", "0.01",
+               "--out-dir", str(out), "--overwrite"])
+    assert rc == 130
+    assert not (out / "checkpoint.pt").exists()
+    assert "no checkpoint was written yet" in capsys.readouterr().err

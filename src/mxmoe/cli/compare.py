@@ -31,6 +31,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+# what reading a run whose config.json, result.json or metrics lines hold the wrong fields
+# or types raises, past the checks of mxmoe.train.compare (which name the damaged file)
+DAMAGED_RUN_ERRORS = (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError)
+
+
+def damaged_runs_message(out_dir, e: Exception) -> str:
+    """One line for a run directory whose files hold fields of the wrong kind."""
+    return (f"the runs under {str(out_dir)!r} hold a damaged or foreign config.json, result.json or metrics line "
+            f"({type(e).__name__}: {e}); rerun the recipes into another --out-dir, or remove the damaged recipe's "
+            f"directory and rerun with --reuse")
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """`mxmoe compare`: train the same model under each recipe in turn, then write the side-by-side report."""
     from . import config_from_args, resolve_dtype_flag
@@ -47,6 +59,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except RecipeRunError as e:
         print(f"mxmoe compare: error: {e}", file=sys.stderr)
         return e.returncode
+    except DAMAGED_RUN_ERRORS as e:
+        raise ValueError(damaged_runs_message(args.out_dir, e)) from None
     print(f"mxmoe compare: wrote {report}")
     print(report.read_text())
     return 0
@@ -54,7 +68,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`mxmoe report`: rebuild the comparison report from finished runs in ``args.out_dir``."""
-    report = build_report(args.out_dir, args.recipes, peak_tflops=args.peak_tflops)
+    try:
+        report = build_report(args.out_dir, args.recipes, peak_tflops=args.peak_tflops)
+    except DAMAGED_RUN_ERRORS as e:
+        raise ValueError(damaged_runs_message(args.out_dir, e)) from None
     print(f"mxmoe report: wrote {report}")
     print(report.read_text())
     return 0

@@ -430,11 +430,19 @@ def hf_config_dict(spec: str, sizes: dict[str, int] | None = None, min_positions
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        d = json.loads(path.read_text())
+        try:
+            d = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--hf-config {str(path)!r} is not a JSON file ({e})") from None
         model_type = d.pop("model_type", None) if isinstance(d, dict) else None
-        if model_type not in CONFIG_MAPPING:
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
             raise ValueError(f"{str(path)!r} is not a transformers config.json (model_type {model_type!r})")
-        config = AutoConfig.for_model(model_type, **d)
+        try:
+            config = AutoConfig.for_model(model_type, **d)
+        except Exception as e:  # noqa: BLE001 - transformers raises several types for a bad field value
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--hf-config {str(path)!r}: transformers refuses this {model_type} config "
+                             f"({first})") from None
     elif spec.endswith(".json") or "/" in spec:
         raise FileNotFoundError(f"--hf-config {spec!r}: no such config file")
     elif spec in CONFIG_MAPPING:
@@ -483,7 +491,36 @@ def model_config_from_hf(hf: dict, **fields) -> ModelConfig:
         raise ValueError(f"{config.model_type} has no causal LM class in transformers; --hf-config trains causal LMs")
     if not cls._can_set_experts_implementation():
         raise ValueError(_outside_interface_message(config.model_type))
+    _check_attention_heads(config)
     return ModelConfig(**sizes, **fields, hf_config=hf)
+
+
+def _check_attention_heads(config) -> None:
+    """Refuse, before a model is built, attention shapes the model would fail on in its
+    first forward: query heads not a multiple of the KV heads, an odd head dimension
+    (rotary embeddings rotate pairs), a width that does not split into the heads when the
+    config gives no head_dim.
+
+    Raises:
+        ValueError: naming the config fields and what would work.
+    """
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise ValueError(f"{config.model_type}: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {kv}; use KV heads that divide the query heads")
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{config.model_type}: hidden_size {hidden} does not split into {heads} attention "
+                             f"heads; use --heads dividing --width")
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ValueError(f"{config.model_type}: head dimension {head_dim} (hidden_size {hidden} / {heads} heads) is "
+                         f"odd; rotary embeddings need an even one: use --heads giving an even --width / --heads")
 
 
 class TransformersCausalLM(nn.Module):

@@ -267,7 +267,21 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
             _verify_checksums(path, ckpt)
         else:
             del ckpt[CHECKSUMS_KEY]
+    if verify:
+        _check_finite_weights(path, ckpt)
     return ckpt
+
+
+def _check_finite_weights(path: Path, ckpt: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model weights hold NaN or inf (mxmoe never writes one; a
+    file edited, or written by other code, could), naming the file and the tensor."""
+    model = ckpt.get("model")
+    if not isinstance(model, dict):
+        return  # the loaders refuse it with their own message
+    for name, t in model.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{str(path)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
+                             f"resumed, evaluated or exported: use an earlier checkpoint or train anew")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -291,7 +305,7 @@ class MetricsTrim(NamedTuple):
         if self.damaged:
             shown = ", ".join(map(str, self.damaged[:5])) + (", ..." if len(self.damaged) > 5 else "")
             parts.append(f"{len(self.damaged)} damaged line{'s' * (len(self.damaged) > 1)} (line {shown}: "
-                         f"torn, NUL bytes or not a JSON object)")
+                         f"torn, NUL bytes, not a JSON object or missing the fields of its kind)")
         if self.past:
             parts.append(f"{self.past} line{'s' * (self.past > 1)} past the checkpoint's step {last_step} "
                          f"(written again)")
@@ -300,11 +314,16 @@ class MetricsTrim(NamedTuple):
         return f"{name}: kept {self.kept} lines, dropped " + " and ".join(parts)
 
 
+# the fields each kind of metrics line must hold as numbers (besides an integer "step")
+METRICS_FIELDS = {"train": ("loss", "ms_per_step"), "eval": ("loss", "val_loss")}
+
+
 def parse_metrics_line(raw: bytes) -> dict | None:
     """The JSON object of one metrics line (bytes, without its newline), None when the
-    line is damaged: torn, NUL bytes inside, not UTF-8, not a JSON object, or a ``step``
-    that is not an integer. NUL bytes around a line (what a crash can leave in a file's
-    last block) are removed first."""
+    line is damaged: torn, NUL bytes inside, not UTF-8, not a JSON object, a ``kind``
+    other than "train" or "eval", a ``step`` that is not an integer >= 0, or a field of
+    its kind (:data:`METRICS_FIELDS`) missing or not a number. NUL bytes around a line
+    (what a crash can leave in a file's last block) are removed first."""
     line = raw.strip(b"\0").strip()
     if b"\0" in line:
         return None
@@ -312,7 +331,13 @@ def parse_metrics_line(raw: bytes) -> dict | None:
         obj = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return obj if isinstance(obj, dict) and isinstance(obj.get("step", 0), int) else None
+    if not isinstance(obj, dict) or obj.get("kind") not in METRICS_FIELDS:
+        return None
+    step = obj.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    numbers = (obj.get(k) for k in METRICS_FIELDS[obj["kind"]])
+    return obj if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) else None
 
 
 def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:

@@ -190,8 +190,11 @@ class RecipeRunError(RuntimeError):
 
     def __init__(self, recipe: str, returncode: int, out_dir: str):
         self.returncode = returncode
-        super().__init__(f"recipe {recipe} stopped with exit status {returncode} (its messages are above); "
-                         f"{out_dir} holds its metrics and last checkpoint: rerun with --reuse to resume it")
+        if returncode == 2:  # refused (settings, data, a path): nothing to resume
+            hint = "fix what its message names and rerun"
+        else:
+            hint = f"{out_dir} holds its metrics and last checkpoint, if any: rerun with --reuse to resume it"
+        super().__init__(f"recipe {recipe} stopped with exit status {returncode} (its messages are above); {hint}")
 
 
 def run_worker(plan: Plan) -> None:

@@ -131,6 +131,9 @@ def load_corpus(path: str | os.PathLike | None = None, val_fraction: float = 0.0
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist; pass a text file, a directory "
                                 f"of text files or a uint16 .bin token file")
+    if not p.is_dir() and not p.is_file():  # a FIFO, a device, a socket: reading it may never end
+        raise ValueError(f"data path {str(p)!r} is not a regular file or a directory; pass a text file, a "
+                         f"directory of text files or a uint16 .bin token file")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and _looks_like_text(f))
         if not files:

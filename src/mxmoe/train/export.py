@@ -51,7 +51,7 @@ from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
 from .checkpoint import atomic_write_bytes, resolve_checkpoint_path
 from .data import eval_batches, load_corpus
-from .trainer import TrainConfig, check_model_state, evaluate, resolve_device
+from .trainer import MAX_EVAL_TOKENS, TrainConfig, check_model_state, evaluate, resolve_device
 from .trainer import load_training_checkpoint as load_checkpoint_of_run
 
 EXPORT_FORMATS = ("mxfp8", "bf16")
@@ -213,7 +213,13 @@ def load_export(path: str | Path) -> Source:
             raw = (f.metadata() or {}).get(METADATA_KEY)
             if raw is None:
                 raise ValueError(f"{str(path)!r} has no {METADATA_KEY!r} metadata: not written by mxmoe export")
-            meta = json.loads(raw)
+            try:
+                meta = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{str(path)!r}: its {METADATA_KEY!r} metadata is not JSON ({e})") from None
+            if not isinstance(meta, dict):
+                raise ValueError(f"{str(path)!r}: its {METADATA_KEY!r} metadata is a {type(meta).__name__}, not the "
+                                 f"JSON object mxmoe export writes")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except SafetensorError as e:
         raise ValueError(f"{str(path)!r} is not a readable safetensors file ({e})") from None
@@ -299,6 +305,9 @@ def evaluate_source(path: str | Path, *, data: str | None = None, batch_size: in
     n = n_batches or cfg.eval_batches
     if sl > cfg.model.max_seq_len:
         raise ValueError(f"seq_len {sl} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
+    if n * bs * sl > MAX_EVAL_TOKENS:
+        raise ValueError(f"eval batches x batch_size x seq_len = {n * bs * sl:,} tokens exceeds {MAX_EVAL_TOKENS:,} "
+                         f"(2**27, held in memory at once); use fewer or smaller batches")
     corpus = load_corpus(data if data is not None else cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the corpus has token ids up to {corpus.vocab_size - 1}, beyond the model's vocab_size "

@@ -43,6 +43,7 @@ from .checkpoint import (
     MetricsWriter,
     check_training_checkpoint,
     load_checkpoint,
+    parse_metrics_line,
     resolve_checkpoint_path,
     save_checkpoint,
     truncate_metrics,
@@ -154,6 +155,10 @@ class TrainConfig:
         if self.batch_size * self.seq_len > MAX_TOKENS_PER_STEP:
             _bad(f"batch_size x seq_len = {self.batch_size * self.seq_len:,} tokens per step exceeds "
                  f"{MAX_TOKENS_PER_STEP:,} (2**31, int32 row indices); use a smaller batch_size or seq_len")
+        if self.eval_batches * self.batch_size * self.seq_len > MAX_EVAL_TOKENS:
+            _bad(f"eval_batches x batch_size x seq_len = {self.eval_batches * self.batch_size * self.seq_len:,} "
+                 f"tokens per evaluation set exceeds {MAX_EVAL_TOKENS:,} (2**27; the sets are held in memory); use "
+                 f"fewer eval_batches")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             _bad(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir).strip():
@@ -562,6 +567,11 @@ MAX_COUNT = 2**40
 MAX_TOKENS_PER_STEP = 2**31
 
 
+# the most tokens one evaluation set may hold (two sets, validation and training, are
+# built before the run as int64 windows: 2 GiB each at this bound)
+MAX_EVAL_TOKENS = 2**27
+
+
 # bytes each parameter takes in training: float32 weight and gradient, AdamW's two moments
 TRAIN_BYTES_PER_PARAMETER = 16
 
@@ -669,8 +679,9 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
         start_step = checkpoint["step"]
         if main:
             trimmed = truncate_metrics(out / METRICS_NAME, start_step).describe(METRICS_NAME, start_step)
-    elif main and (out / METRICS_NAME).exists():
-        (out / METRICS_NAME).unlink()  # a new run in an old directory starts a new log
+    elif main:  # a new run in an old directory (--overwrite): the old run's log and checkpoint go
+        (out / METRICS_NAME).unlink(missing_ok=True)
+        (out / CHECKPOINT_NAME).unlink(missing_ok=True)  # else a resume or eval would read the old weights
 
     if main:
         run_info = {
@@ -844,7 +855,8 @@ def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step:
     resumed parts included, from its metrics file; steady-state speed of this call's steps
     (the median step time after the first ``WARMUP_STEPS_SKIPPED``, allocator and kernel
     warm-up; compare.py reads metrics.jsonl the same way)."""
-    lines = [json.loads(line) for line in (out / METRICS_NAME).read_text().splitlines()]
+    lines = [m for raw in (out / METRICS_NAME).read_bytes().split(b"\n") if raw.strip()
+             for m in [parse_metrics_line(raw)] if m is not None]
     train_losses = [m["loss"] for m in lines if m["kind"] == "train"]
     val_losses = [m["val_loss"] for m in lines if m["kind"] == "eval"]
     steps_run = len(step_times)

@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"{tag}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be used: as `mxmoe train` says it
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"{tag}: error: cannot use{where}: {e.strerror or e}; check the path, its permissions and the free "
+              f"space", file=sys.stderr)
+        return 2
     except FloatingPointError as e:
         print(f"{tag}: error: {e}", file=sys.stderr)
         return 1
