@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxmoe import from_blocked_scales, get_recipe, quantize_mx, to_blocked_scales
+from mxmoe import from_blocked_scales, get_recipe, to_blocked_scales
 from mxmoe.ops import backend, sm100
 from test_ops import Product, qdq64
 

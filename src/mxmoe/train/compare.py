@@ -526,7 +526,7 @@ def render_report(runs: list[RunSummary], peak_tflops: float | None = None,
         missed = [c for c in checks if not c.met]
         lines.append("")
         lines.append(f"{len(checks) - len(missed)} of {len(checks)} targets met"
-                     + (f"; missed: " + "; ".join(f"{c.recipe} {c.target}: {c.verdict}" for c in missed) + "."
+                     + ("; missed: " + "; ".join(f"{c.recipe} {c.target}: {c.verdict}" for c in missed) + "."
                         if missed else "."))
         if on_cpu:
             lines.append("")

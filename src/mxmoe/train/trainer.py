@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
 import math
 import os
 import resource
