@@ -100,3 +100,24 @@ def test_a_good_checkpoint_still_resumes_evaluates_and_exports(tiny_run, tiny_fl
     shutil.copytree(tiny_run, good)
     for command in ("eval", "export", "train --resume"):
         assert run(command, good, corpus, tmp_path, tiny_flags) == 0, command
+
+
+@pytest.mark.parametrize("damage", ["a moment of another shape", "a parameter group dropped"])
+def test_optimizer_state_that_does_not_fit_is_refused_in_one_line(tiny_run, tiny_flags, corpus, tmp_path, capsys,
+                                                                  damage):
+    """Checksums recomputed over a wrong optimizer state: resume refuses it naming the file
+    (torch would load it and fail inside the optimizer step)."""
+    from mxmoe.train.checkpoint import load_checkpoint
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_run, bad)
+    state = load_checkpoint(bad, verify=False)
+    if damage == "a moment of another shape":
+        first = next(iter(state["optimizer"]["state"]))
+        state["optimizer"]["state"][first]["exp_avg"] = torch.zeros(3)
+    else:
+        state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"][:1]
+    save_checkpoint(bad, state)
+    rc = main(["train", *tiny_flags, "--data", str(corpus), "--steps", "4", "--out-dir", str(bad), "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and str(bad / CHECKPOINT_NAME) in err and "optimizer" in err, err

@@ -122,6 +122,22 @@ def test_the_lock_is_released_and_taken_again(tmp_path):
 
 # ---- inputs found by the second adversarial pass ----------------------------------------
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_data_path_is_refused(tmp_path, capsys, monkeypatch, value):
+    """--data "" would read the current directory (Path("") is ".")."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", *FLAGS, "--recipe", "bf16", "--data", value, "--steps", "1", "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the data path is empty" in err and err.count("\n") == 1, err
+
+
+def test_load_corpus_names_a_bad_val_fraction():
+    from mxmoe.train.data import load_corpus
+
+    with pytest.raises(ValueError, match=r"val_fraction must be a number in \(0, 0.5\], got '0.1'"):
+        load_corpus(None, val_fraction="0.1")
+
+
 @pytest.mark.parametrize("kind", ["fifo", "character device"])
 def test_data_that_is_not_a_regular_file_is_refused_without_reading(tmp_path, capsys, kind):
     """A FIFO or a device as --data would be read forever (load_corpus reads the whole file)."""

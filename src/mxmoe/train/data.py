@@ -118,8 +118,11 @@ def load_corpus(path: str | os.PathLike | None = None, val_fraction: float = 0.0
         FileNotFoundError: ``path`` does not exist.
         ValueError: the corpus is empty or too small to split, or val_fraction is out of range.
     """
-    if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction <= 0.5:
+        raise ValueError(f"val_fraction must be a number in (0, 0.5], got {val_fraction!r}")
+    if path is not None and not str(path).strip():  # Path("") is the current directory
+        raise ValueError("the data path is empty; pass a text file, a directory of text files or a uint16 .bin "
+                         "token file, or leave --data out for the Python standard library")
     if path is None:
         root, files = stdlib_files()
         if not files:

@@ -671,10 +671,10 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     if checkpoint is not None:
         if env is None:
             model.load_state_dict(checkpoint["model"])
-            opt.load_state_dict(checkpoint["optimizer"])
+            load_optimizer_state(opt, checkpoint["optimizer"], out / CHECKPOINT_NAME)
         else:
             load_sharded_model_state(model, checkpoint["model"])
-            opt.load_state_dict(checkpoint["optimizer"][rank])
+            load_optimizer_state(opt, checkpoint["optimizer"][rank], out / CHECKPOINT_NAME)
         start_step = checkpoint["step"]
         if main:
             trimmed = truncate_metrics(out / METRICS_NAME, start_step).describe(METRICS_NAME, start_step)
@@ -846,6 +846,33 @@ def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[
     if bool(finite.all()):
         return None
     return named[int((~finite).nonzero()[0])][0]
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict, path) -> None:
+    """``opt.load_state_dict(state)`` after checking that the state fits ``opt``'s
+    parameters: as many groups with as many parameters, and every tensor of a parameter's
+    state (AdamW's moments) of that parameter's shape (a 0-d ``step`` aside). Torch would
+    load a wrong shape and fail later inside the optimizer step.
+
+    Raises:
+        ValueError: naming the checkpoint file, the parameter and the shapes.
+    """
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    per_param = state.get("state") if isinstance(state, dict) else None
+    mine = [g["params"] for g in opt.param_groups]
+    if not isinstance(groups, list) or not isinstance(per_param, dict) \
+            or [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups] != [len(p) for p in mine]:
+        raise ValueError(f"{str(path)!r}: its optimizer state does not fit this model (parameter groups of "
+                         f"other sizes); it was written for another model or is damaged")
+    params = [p for group in mine for p in group]
+    ids = [i for g in groups for i in g["params"]]
+    for index, param in zip(ids, params):
+        for key, value in (per_param.get(index) or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(f"{str(path)!r}: the optimizer's {key!r} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; the checkpoint is "
+                                 f"damaged or from another model")
+    opt.load_state_dict(state)
 
 
 def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step: int,
