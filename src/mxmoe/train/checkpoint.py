@@ -272,16 +272,32 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
     return ckpt
 
 
+def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> str | None:
+    """The name of the first floating-point tensor in a model state dict or an optimizer
+    state dict (``{"state": {index: {name: tensor}}, ...}``) holding a NaN or inf, or None
+    when every one is finite (one host sync for all)."""
+    named = [(k, t) for k, t in model_state.items() if t.is_floating_point()]
+    for i, st in optimizer_state.get("state", {}).items():
+        named += [(f"optimizer state {k} of parameter {i}", t) for k, t in st.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
 def _check_finite_weights(path: Path, ckpt: dict[str, Any]) -> None:
     """Refuse a checkpoint whose model weights hold NaN or inf (mxmoe never writes one; a
     file edited, or written by other code, could), naming the file and the tensor."""
     model = ckpt.get("model")
-    if not isinstance(model, dict):
+    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor) for t in model.values()):
         return  # the loaders refuse it with their own message
-    for name, t in model.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{str(path)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
-                             f"resumed, evaluated or exported: use an earlier checkpoint or train anew")
+    name = nonfinite_state(model, {})
+    if name is not None:
+        raise ValueError(f"{str(path)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
+                         f"resumed, evaluated or exported: use an earlier checkpoint or train anew")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -338,6 +354,18 @@ def parse_metrics_line(raw: bytes) -> dict | None:
         return None
     numbers = (obj.get(k) for k in METRICS_FIELDS[obj["kind"]])
     return obj if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The valid lines of a metrics file, in order; damaged lines
+    (:func:`parse_metrics_line`: torn by a crash, NUL bytes, not a JSON object, without
+    the fields of their kind) are skipped wherever they are."""
+    lines = []
+    for raw in Path(path).read_bytes().split(b"\n"):
+        record = parse_metrics_line(raw) if raw.strip() else None
+        if record is not None:
+            lines.append(record)
+    return lines
 
 
 def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:

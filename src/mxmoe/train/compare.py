@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import RECIPES
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, parse_metrics_line
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, read_metrics
 from .data import Corpus, eval_batches, load_corpus
 from .trainer import CONFIG_NAME, METRICS_NAME, WARMUP_STEPS_SKIPPED, TrainConfig, holds_run, resolve_device
 
@@ -348,20 +348,6 @@ class RunSummary:
     def few_timed_steps(self) -> bool:
         """Fewer than MIN_TIMED_STEPS steps behind ms_per_step: its speed says little."""
         return self.timed_steps < MIN_TIMED_STEPS
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The valid lines of a metrics file, in order: damaged lines (torn by a crash, NUL
-    bytes, not a JSON object: :func:`~mxmoe.train.checkpoint.parse_metrics_line`) and
-    lines without the fields of their kind (train: step, loss, ms_per_step; eval: step,
-    val_loss) are skipped wherever they are."""
-    needs = {"train": ("step", "loss", "ms_per_step"), "eval": ("step", "val_loss")}
-    lines = []
-    for raw in Path(path).read_bytes().split(b"\n"):
-        record = parse_metrics_line(raw) if raw.strip() else None
-        if record is not None and all(k in record for k in needs.get(record.get("kind"), ())):
-            lines.append(record)
-    return lines
 
 
 def summarize_run(run_dir: Path) -> RunSummary:

@@ -42,7 +42,8 @@ from .checkpoint import (
     MetricsWriter,
     check_training_checkpoint,
     load_checkpoint,
-    parse_metrics_line,
+    nonfinite_state,
+    read_metrics,
     resolve_checkpoint_path,
     save_checkpoint,
     truncate_metrics,
@@ -68,6 +69,15 @@ ABSURD_LOSS_FACTOR = 2.0
 ABSURD_LOSS_MARGIN = 1.0
 # seeds are 32-bit, as numpy's and most tools'; seed * _SEED_STRIDE + step then fits torch's generator
 MAX_SEED = 2**32 - 1
+# the largest step count or interval accepted (2**40 steps would never end)
+MAX_COUNT = 2**40
+# the most tokens one step may take: rows are indexed in int32 in the kernels
+MAX_TOKENS_PER_STEP = 2**31
+# the most tokens one evaluation set may hold (two sets, validation and training, are
+# built before the run as int64 windows: 2 GiB each at this bound)
+MAX_EVAL_TOKENS = 2**27
+# bytes each parameter takes in training: float32 weight and gradient, AdamW's two moments
+TRAIN_BYTES_PER_PARAMETER = 16
 # the advisory lock a run holds on its --out-dir while it writes there (fcntl.flock)
 LOCK_NAME = ".mxmoe.lock"
 # the checkpoint key of the training corpus's token hash (Corpus.fingerprint): a resume
@@ -560,21 +570,6 @@ def check_backend_device(cfg: TrainConfig, device: torch.device) -> None:
                          f"for Triton's (slow) CPU interpreter")
 
 
-# the largest step count or interval accepted (2**40 steps would never end)
-MAX_COUNT = 2**40
-# the most tokens one step may take: rows are indexed in int32 in the kernels
-MAX_TOKENS_PER_STEP = 2**31
-
-
-# the most tokens one evaluation set may hold (two sets, validation and training, are
-# built before the run as int64 windows: 2 GiB each at this bound)
-MAX_EVAL_TOKENS = 2**27
-
-
-# bytes each parameter takes in training: float32 weight and gradient, AdamW's two moments
-TRAIN_BYTES_PER_PARAMETER = 16
-
-
 def check_model_fits(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse, before any file is written, a model whose float32 weights, gradients and
     AdamW state (16 bytes per parameter, :meth:`ModelConfig.parameter_count`) exceed the
@@ -832,22 +827,6 @@ def _last_good(out: Path, step: int | None) -> str:
     return f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {step})"
 
 
-def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> str | None:
-    """The name of the first floating-point tensor in a model state dict or an optimizer
-    state dict (``{"state": {index: {name: tensor}}, ...}``) holding a NaN or inf, or None
-    when every one is finite (one host sync for all)."""
-    named = [(k, t) for k, t in model_state.items() if t.is_floating_point()]
-    for i, st in optimizer_state.get("state", {}).items():
-        named += [(f"optimizer state {k} of parameter {i}", t) for k, t in st.items()
-                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not named:
-        return None
-    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
-    if bool(finite.all()):
-        return None
-    return named[int((~finite).nonzero()[0])][0]
-
-
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict, path) -> None:
     """``opt.load_state_dict(state)`` after checking that the state fits ``opt``'s
     parameters: as many groups with as many parameters, and every tensor of a parameter's
@@ -881,8 +860,7 @@ def _summarize(out: Path, step_times: list[float], wall: float, tokens_per_step:
     resumed parts included, from its metrics file; steady-state speed of this call's steps
     (the median step time after the first ``WARMUP_STEPS_SKIPPED``, allocator and kernel
     warm-up; compare.py reads metrics.jsonl the same way)."""
-    lines = [m for raw in (out / METRICS_NAME).read_bytes().split(b"\n") if raw.strip()
-             for m in [parse_metrics_line(raw)] if m is not None]
+    lines = read_metrics(out / METRICS_NAME)
     train_losses = [m["loss"] for m in lines if m["kind"] == "train"]
     val_losses = [m["val_loss"] for m in lines if m["kind"] == "eval"]
     steps_run = len(step_times)
