@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mxmoe import MoE
+from mxmoe import GroupedExperts, MoE, MXLinear
 from mxmoe.nn import MoELayer
 from mxmoe.recipe import get_recipe
 
@@ -73,7 +73,7 @@ def test_fused_follows_the_constructor_choice_and_the_recipe():
 def test_clear_errors():
     with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
         MoE(64, 4, 2, 64, recipe="fp8")
-    with pytest.raises(ValueError, match="n_layers must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"n_layers must be an integer in \[1, .*got 0"):
         MoE(64, 4, 2, 64, n_layers=0)
     with pytest.raises(ValueError, match="top_k must be an integer in"):
         MoE(64, 4, 5, 64)
@@ -87,3 +87,45 @@ def test_clear_errors():
         m(torch.randn(3, 32))
     with pytest.raises(TypeError, match="got torch.int64"):
         m(torch.ones(3, 64, dtype=torch.long))
+
+
+# every size argument of the public modules, with the values a caller can get wrong: each
+# is refused before any memory is allocated (2**40 experts would otherwise ask the
+# allocator for petabytes), naming the argument and the range
+MODULES = {
+    "MXLinear": (lambda **kw: MXLinear(**{"in_features": 32, "out_features": 32, **kw}),
+                 ["in_features", "out_features"]),
+    "MoE": (lambda **kw: MoE(**{"d_model": 32, "n_experts": 4, "top_k": 2, "d_expert": 32, **kw}),
+            ["d_model", "n_experts", "d_expert", "n_layers", "shared_expert_hidden"]),
+    "GroupedExperts": (lambda **kw: GroupedExperts(**{"n_experts": 4, "d_model": 32, "d_expert": 32, **kw}),
+                       ["n_experts", "d_model", "d_expert", "n_layers"]),
+}
+SIZE_CASES = [(m, a) for m, (_, args) in MODULES.items() for a in args]
+
+
+@pytest.mark.parametrize("value", [-1, 0, 2**31, 2**40, 1.5, True, "8", None])
+@pytest.mark.parametrize("module,arg", SIZE_CASES)
+def test_every_size_argument_is_checked_before_allocating(module, arg, value):
+    if arg == "shared_expert_hidden" and value == 0:
+        pytest.skip("0 means no shared expert")
+    with pytest.raises(ValueError, match=rf"^{arg} must be an integer in \[[01], 2,147,483,647\] .*got {value!r}"):
+        MODULES[module][0](**{arg: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.uint8, "float32", torch.float64])
+@pytest.mark.parametrize("module", ["MXLinear", "GroupedExperts"])
+def test_a_parameter_dtype_that_cannot_train_under_the_recipe_is_refused(module, dtype):
+    """Integer dtypes cannot take gradients; float64 cannot be quantized by the MX recipes
+    (it can under bf16, which casts)."""
+    with pytest.raises(TypeError, match=rf"^{module}: (dtype must be a floating-point torch.dtype|recipe 'mxfp8' "
+                                        rf"quantizes the weights)"):
+        MODULES[module][0](dtype=dtype)
+    if dtype == torch.float64:
+        assert MODULES[module][0](dtype=dtype, recipe="bf16").recipe.name == "bf16"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("module", ["MXLinear", "GroupedExperts"])
+def test_the_mx_parameter_dtypes_build(module, dtype):
+    m = MODULES[module][0](dtype=dtype)
+    assert all(p.dtype == dtype for p in m.parameters())

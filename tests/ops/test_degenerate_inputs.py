@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mxmoe import fake_quantize_mx, mx_grouped_mm, mx_linear, quantize_mx
+from mxmoe.ops import mx_grouped_mm_dgrad, mx_moe_experts
 
 OFFS = torch.tensor([2, 4], dtype=torch.int32)
 
@@ -16,15 +17,10 @@ CASES = {
                         r"x is a 0-d tensor; mx_linear takes x of shape \(\.\.\., K\)"),
     "mx_linear K = 0": (lambda: mx_linear(torch.randn(4, 0), torch.randn(8, 0)), ValueError,
                         r"x has K = 0 features \(shape \(4, 0\)\); mx_linear needs K >= 1"),
-    "mx_linear meta w": (lambda: mx_linear(torch.randn(4, 64), torch.empty(8, 64, device="meta")), ValueError,
-                         r"x and w must be on one device, got x on cpu and w on meta"),
-    "mx_linear meta x": (lambda: mx_linear(torch.empty(4, 64, device="meta"), torch.randn(8, 64)), ValueError,
-                         r"x and w must be on one device, got x on meta and w on cpu"),
-    "mx_linear list x": (lambda: mx_linear([1.0], torch.randn(8, 64)), TypeError, r"takes tensors x and w, got list"),
     "mx_grouped_mm K = 0": (lambda: mx_grouped_mm(torch.randn(4, 0), torch.randn(2, 8, 0), OFFS), ValueError,
                             r"x has K = 0 \(shape \(4, 0\)\); mx_grouped_mm needs K >= 1"),
-    "mx_grouped_mm meta w": (lambda: mx_grouped_mm(torch.randn(4, 64), torch.empty(2, 8, 64, device="meta"), OFFS),
-                             ValueError, r"x, w and offsets must be on one device, got cpu, meta, cpu"),
+    "mx_grouped_mm float offsets": (lambda: mx_grouped_mm(torch.randn(4, 64), torch.randn(2, 8, 64), OFFS.double()),
+                                    TypeError, r"offsets must be int32 or int64"),
     "quantize_mx float dim": (lambda: quantize_mx(torch.randn(4, 64), "e4m3", dim=1.0), TypeError,
                               r"dim must be an int \(the dimension to block\), got 1.0 of type float"),
     "quantize_mx bool dim": (lambda: quantize_mx(torch.randn(4, 64), "e4m3", dim=True), TypeError,
@@ -42,3 +38,62 @@ def test_degenerate_inputs_are_refused_by_name(case):
     call, error, message = CASES[case]
     with pytest.raises(error, match=message):
         call()
+
+
+def _moe_experts_args():
+    T, D, F, E, k = 4, 32, 32, 2, 2
+    src = torch.arange(T).repeat_interleave(k)
+    return dict(x_TD=torch.randn(T, D, dtype=torch.bfloat16), src_A=src,
+                offsets_E=torch.tensor([4, 8], dtype=torch.int32), w13_E2FD=torch.randn(E, 2 * F, D),
+                w2_EDF=torch.randn(E, D, F), recipe="mxfp8")
+
+
+# every public op with valid arguments; each tensor argument is replaced in turn below
+OPS = {
+    "mx_linear": (mx_linear, lambda: dict(x=torch.randn(4, 64), w=torch.randn(8, 64))),
+    "mx_grouped_mm": (mx_grouped_mm, lambda: dict(x=torch.randn(4, 64), w=torch.randn(2, 8, 64), offsets=OFFS)),
+    "mx_grouped_mm_dgrad": (mx_grouped_mm_dgrad, lambda: dict(dy=torch.randn(4, 8), w=torch.randn(2, 8, 64),
+                                                              offsets=OFFS)),
+    "mx_moe_experts": (mx_moe_experts, _moe_experts_args),
+}
+TENSOR_ARGS = [(op, name) for op, (_, make) in OPS.items() for name, v in make().items() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_runs_with_its_valid_arguments(op):
+    fn, make = OPS[op]
+    assert torch.isfinite(fn(**make()).float()).all()
+
+
+@pytest.mark.parametrize("op,name", TENSOR_ARGS)
+def test_an_argument_that_is_a_list_is_refused_by_name(op, name):
+    fn, make = OPS[op]
+    args = make()
+    args[name] = args[name].tolist()
+    with pytest.raises(TypeError, match=rf"^{op}: {name} must be a torch.Tensor, got list; build it with "
+                                        rf"torch.as_tensor"):
+        fn(**args)
+
+
+@pytest.mark.parametrize("op,name", TENSOR_ARGS)
+@pytest.mark.parametrize("all_meta", [False, True], ids=["one on meta", "all on meta"])
+def test_an_argument_on_the_meta_device_is_refused_by_name(op, name, all_meta):
+    """A meta tensor has no data: the op must not compute on it (or return uninitialized
+    memory), whether the other arguments are real or on the meta device too."""
+    fn, make = OPS[op]
+    args = make()
+    for key, value in args.items():
+        if isinstance(value, torch.Tensor) and (all_meta or key == name):
+            args[key] = value.to("meta")
+    first = name if not all_meta else next(k for k, v in args.items() if isinstance(v, torch.Tensor))
+    with pytest.raises(ValueError, match=rf"^{op}: {first} is on the meta device \(a shape without data\)"):
+        fn(**args)
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 1000])
+def test_mx_moe_experts_refuses_token_indices_outside_the_tokens(bad):
+    args = _moe_experts_args()
+    args["src_A"] = args["src_A"].clone()
+    args["src_A"][3] = bad
+    with pytest.raises(ValueError, match=rf"src_A holds token index {bad}; token indices are 0 \.\. T - 1 = 3"):
+        mx_moe_experts(**args)

@@ -140,8 +140,9 @@ def test_load_checkpoint_refuses_and_reports_other_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing/checkpoint\.pt': it does not exist; "
                                                 r"pass a run directory, .* train without --resume"):
         load_checkpoint(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing\.pt': "):
-        load_checkpoint(tmp_path / "missing.pt")
+    for name in ("missing.pt", "missing.safetensors", "missing.bin"):  # a file name: not taken for a run directory
+        with pytest.raises(FileNotFoundError, match=rf"no checkpoint at '[^']*{name}': "):
+            load_checkpoint(tmp_path / name)
     for name in "abcde":
         with pytest.raises(ValueError) as e:
             load_checkpoint(tmp_path / f"{name}.pt")

@@ -46,6 +46,11 @@ TRAIN_REFUSALS = {
     "top-k over experts": (["--top-k", "5"], "--top-k=5 exceeds --experts=4; use --top-k <= --experts"),
     "moe-every over layers": (["--moe-every", "2"], "--moe-every=2 exceeds --layers=1: no block would have an MoE"),
     "tokens per step": (["--batch-size", str(2**27)], "--batch-size x --seq-len = 4,294,967,296 tokens per step"),
+    "empty hf-config": (["--hf-config", ""], "--hf-config is empty; pass a transformers config.json path or a model"),
+    "blank hf-config": (["--hf-config", " "], "--hf-config is empty"),
+    "nothing to quantize": (["--recipe", "mxfp8", "--quantize", ""], "recipe 'mxfp8' would quantize no GEMM: the "
+                                                                    "list of quantized GEMMs is empty (--quantize '')"),
+    "decay past 1 / lr": (["--weight-decay", "1e30"], "--lr=0.003 x --weight-decay=1e+30 = 3e+27 > 1: AdamW's decoupled"),
 }
 # every model size flag, at zero and at 2**70 (which must not hang building the model)
 SIZE_FLAGS = ["--width", "--layers", "--heads", "--experts", "--expert-width", "--dense-width", "--moe-every",
@@ -202,3 +207,61 @@ def test_overwrite_removes_the_old_runs_checkpoint(corpus, run_dir, tmp_path, mo
     assert rc == 130
     assert not (out / "checkpoint.pt").exists()
     assert "no checkpoint was written yet" in capsys.readouterr().err
+
+
+# one value of the wrong type for every TrainConfig field (what a caller building the
+# config in Python, or a hand-edited config.json, can pass); each must be refused by
+# validate() with a ValueError naming the field, never a TypeError from deep inside
+def _wrong_type(name: str, default):
+    if name == "model":
+        return {}
+    if isinstance(default, bool):
+        return 1
+    if isinstance(default, (int, float)):
+        return str(default)
+    return 7  # the str fields (recipe, quant_backend, out_dir, data, device)
+
+
+def test_every_trainconfig_field_of_the_wrong_type_is_refused_by_name():
+    import dataclasses
+
+    from mxmoe.train import TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        default = getattr(TrainConfig(), f.name)
+        cfg = dataclasses.replace(TrainConfig(), **{f.name: _wrong_type(f.name, default)})
+        with pytest.raises(ValueError, match=rf"\b{f.name}\b") as e:
+            cfg.validate()
+        assert "\n" not in str(e.value), f.name
+
+
+def test_config_dicts_of_the_wrong_shape_are_refused():
+    from mxmoe.models import ModelConfig
+    from mxmoe.train import TrainConfig
+
+    assert TrainConfig.from_dict({}) == TrainConfig()  # every key optional
+    for bad in ([], "x", None):
+        with pytest.raises(TypeError, match="TrainConfig.from_dict takes a dict"):
+            TrainConfig.from_dict(bad)
+        with pytest.raises(TypeError, match="ModelConfig.from_dict takes a dict"):
+            ModelConfig.from_dict(bad)
+    with pytest.raises(TypeError, match="ModelConfig.from_dict takes a dict"):
+        TrainConfig.from_dict({"model": []})
+    # a string is not split into letters
+    with pytest.raises(ValueError, match=r"quantized must be a tuple of names .* got 'experts'; e.g. "):
+        ModelConfig(quantized="experts")
+    assert ModelConfig(quantized=["experts"]).quantized == ("experts",)
+    with pytest.raises(ValueError, match=r"quantized has unknown entries \[1\]"):
+        ModelConfig(quantized=[1])
+
+
+def test_every_modelconfig_field_of_the_wrong_type_is_refused_by_name():
+    import dataclasses
+
+    from mxmoe.models import ModelConfig
+
+    for f in dataclasses.fields(ModelConfig):
+        default = getattr(ModelConfig(), f.name)
+        bad = "x" if f.name == "hf_config" else _wrong_type(f.name, default) if f.name != "quantized" else 5
+        with pytest.raises(ValueError, match=rf"\b{f.name}\b"):
+            ModelConfig(**{f.name: bad})

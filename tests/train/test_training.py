@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import io
 import json
 import math
 import os
@@ -196,6 +198,55 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path):
         atomic_write_bytes(tmp_path / "checkpoint.pt", failing_write)
     assert load_checkpoint(tmp_path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+class _FullDisk(io.RawIOBase):
+    """A file object that takes ``limit`` bytes, then fails as a full disk does."""
+
+    def __init__(self, f, limit: int):
+        self.f, self.left = f, limit
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if len(b) > self.left:
+            self.f.write(bytes(b[: self.left]))
+            self.left = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.left -= len(b)
+        return self.f.write(b)
+
+
+# every way a write fails inside atomic_write_bytes: torch.save's zip writer turns the
+# disk's OSError into a RuntimeError without a path; plain writes raise OSError with no
+# filename or with the temp file's
+WRITE_FAILURES = {
+    "torch.save on a full disk": lambda f: torch.save({"w": torch.randn(10_000)}, _FullDisk(f, 2000)),
+    "a plain write on a full disk": lambda f: _FullDisk(f, 10).write(b"x" * 100),
+    "an OSError naming the temp file": lambda f: (_ for _ in ()).throw(
+        OSError(errno.EIO, "I/O error", os.readlink(f"/proc/self/fd/{f.fileno()}") if os.path.exists("/proc/self/fd")
+                else ".checkpoint.pt.x.tmp")),
+    "an OSError naming the file descriptor": lambda f: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error", f.name)),
+}
+
+
+@pytest.mark.parametrize("case", WRITE_FAILURES)
+def test_a_failed_write_names_the_destination_and_keeps_the_previous_file(tmp_path, case):
+    save_checkpoint(tmp_path, {"step": 1})
+    dest = tmp_path / "checkpoint.pt"
+    with pytest.raises(OSError) as e:
+        atomic_write_bytes(dest, WRITE_FAILURES[case])
+    assert e.value.filename == str(dest), e.value  # the file the user knows, not ".checkpoint.pt.xxxx.tmp"
+    assert e.value.errno in (errno.ENOSPC, errno.EIO) and ".tmp" not in str(e.value)
+    assert load_checkpoint(tmp_path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_failed_write_keeps_other_errors_as_they_are(tmp_path):
+    with pytest.raises(RuntimeError, match="not a write failure"):
+        atomic_write_bytes(tmp_path / "x.pt", lambda f: (_ for _ in ()).throw(RuntimeError("not a write failure")))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, text_file):

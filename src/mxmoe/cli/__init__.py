@@ -87,9 +87,10 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--hf-config", default=None, metavar="PATH_OR_MODEL_TYPE",
                    help="train a Hugging Face transformers MoE causal LM from scratch instead of mxmoe's model: a "
                         "config.json (or its directory; used as it is, its vocabulary and positions raised to the "
-                        "corpus's and --seq-len) or a model type such as qwen3_moe, mixtral or deepseek_v3 (its "
+                        "corpus's and --seq-len) or a model type such as qwen3_moe or mixtral (its "
                         "default config with --width, --layers, --heads, --experts, --top-k, --expert-width and "
-                        "the corpus's vocabulary). Needs pip install 'mxmoe[hf]' (docs/INTEGRATIONS.md)")
+                        "the corpus's vocabulary); the families that work with the installed transformers are listed in "
+                        "docs/INTEGRATIONS.md. Needs pip install 'mxmoe[hf]'")
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
@@ -172,8 +173,9 @@ _FLAG_OF_FIELD = {"d_model": "--width", "n_layers": "--layers", "n_heads": "--he
 
 def flag_names(message: str) -> str:
     """``message`` with the config field names in it (those with an underscore, as
-    :class:`TrainConfig` and :class:`ModelConfig` name them) written as the flags that set
-    them: ``d_model`` as ``--width``, ``max_bad_steps`` as ``--max-bad-steps``."""
+    :class:`TrainConfig` and :class:`ModelConfig` name them, and one-word names written
+    ``name=value``) written as the flags that set them: ``d_model`` as ``--width``,
+    ``max_bad_steps`` as ``--max-bad-steps``, ``lr=0.003`` as ``--lr=0.003``."""
     flags = _train_flags()
 
     def flag(m: re.Match) -> str:
@@ -183,7 +185,7 @@ def flag_names(message: str) -> str:
         f = _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
         return f if f in flags else name
 
-    return re.sub(r"(?<![-\w])([a-z]+(?:_[a-z0-9]+)+)\b", flag, message)
+    return re.sub(r"(?<![-\w])([a-z]+(?:_[a-z0-9]+)+\b|[a-z]+(?==))", flag, message)
 
 
 _CONFIG_FIELDS = {f.name for cls in (TrainConfig, ModelConfig) for f in dataclasses.fields(cls)}
@@ -212,7 +214,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
 
 def _config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     resolve_dtype_flag(args)
-    model = _hf_model_config(args, vocab_size) if getattr(args, "hf_config", None) else ModelConfig(
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is not None and not hf_config.strip():
+        raise ValueError("--hf-config is empty; pass a transformers config.json path or a model type such as "
+                         "qwen3_moe (or leave the flag out for mxmoe's own model)")
+    model = _hf_model_config(args, vocab_size) if hf_config is not None else ModelConfig(
         vocab_size=vocab_size if args.vocab_size is None else args.vocab_size, d_model=args.width,
         n_layers=args.layers, n_heads=args.heads,
         n_experts=args.experts, top_k=args.top_k, d_expert=args.expert_width, moe_every=args.moe_every,

@@ -411,7 +411,7 @@ def hf_config_dict(spec: str, sizes: dict[str, int] | None = None, min_positions
 
     Args:
         spec: a config.json file, a directory holding one, or a transformers model type
-            ("qwen3_moe", "mixtral", "deepseek_v3", ...: its default config).
+            ("qwen3_moe", "mixtral", ...: its default config).
         sizes: ModelConfig size fields to write into the config (``d_model``, ``n_layers``,
             ``n_heads``, ``n_experts``, ``top_k``, ``d_expert``, ``vocab_size``), each into
             the attribute of :data:`_SIZE_KEYS` the config has; ``n_heads`` also sets
@@ -449,7 +449,7 @@ def hf_config_dict(spec: str, sizes: dict[str, int] | None = None, min_positions
         config = AutoConfig.for_model(spec)
     else:
         raise ValueError(f"--hf-config {spec!r} is neither a config.json nor a transformers model type; "
-                         f"use e.g. qwen3_moe, mixtral or deepseek_v3")
+                         f"use e.g. qwen3_moe or mixtral (the families of docs/INTEGRATIONS.md)")
     if _size_attr(config, "n_experts") is None:
         raise ValueError(f"{config.model_type} is not an MoE model (its config has none of "
                          f"{', '.join(_SIZE_KEYS['n_experts'])}); --hf-config trains MoE models")

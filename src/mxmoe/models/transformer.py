@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..nn.args import MAX_SIZE
 from ..nn.moe import MoELayer, SwiGLU
 from ..ops import mx_linear
 from ..recipe import Recipe, get_recipe
@@ -31,9 +32,6 @@ MAX_VOCAB_SIZE = 2**20
 # the most parameters a config may describe: 2**40 (1.1T) float32 weights with their
 # gradients and AdamW state take 16 TiB, beyond any one machine mxmoe trains on
 MAX_PARAMETERS = 2**40
-# the largest size of any one dimension (width, layers, heads, experts, sequence length):
-# sizes index tensors in int32 in the kernels
-MAX_SIZE = 2**31 - 1
 
 
 @dataclass
@@ -86,6 +84,9 @@ class ModelConfig:
     hf_config: dict | None = None
 
     def __post_init__(self):
+        if isinstance(self.quantized, str) or not isinstance(self.quantized, (tuple, list, set, frozenset)):
+            raise ValueError(f"quantized must be a tuple of names from {QUANTIZABLE}, got {self.quantized!r}; e.g. "
+                             f"quantized=('experts',) or () for none")
         self.quantized = tuple(self.quantized)
         self.validate()
 
@@ -137,10 +138,10 @@ class ModelConfig:
             raise ValueError(
                 f"d_model={self.d_model} must split into n_heads={self.n_heads} heads of even width (RoPE)"
             )
-        bad = set(self.quantized) - set(QUANTIZABLE)
+        bad = [q for q in self.quantized if not isinstance(q, str) or q not in QUANTIZABLE]
         if bad:
-            raise ValueError(f"quantized has unknown entries {sorted(bad)}; choose from {QUANTIZABLE}")
-        if self.dtype not in _DTYPES:
+            raise ValueError(f"quantized has unknown entries {bad}; choose from {QUANTIZABLE}")
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         if not isinstance(self.mx_dispatch, bool):
             raise ValueError(f"mx_dispatch must be True or False, got {self.mx_dispatch!r}")
@@ -181,7 +182,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        """The config from :meth:`to_dict`'s dict; unknown keys (from newer versions) are ignored."""
+        """The config from :meth:`to_dict`'s dict; unknown keys (from newer versions) are ignored.
+
+        Raises:
+            TypeError: ``d`` is not a dict. ValueError: a field :meth:`validate` refuses.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"ModelConfig.from_dict takes a dict (what to_dict wrote), got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

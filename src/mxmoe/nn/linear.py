@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..ops import mx_linear
 from ..recipe import Recipe, get_recipe
+from .args import check_parameter_dtype, check_size
 from .recipe_module import RecipeModule
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,12 +48,18 @@ class MXLinear(RecipeModule, nn.Linear):
     converts only layers with K and N multiples of 32, whose blocks carry no padding.
 
     Raises:
-        ValueError: unknown recipe (constructor, :meth:`set_recipe`).
+        ValueError: unknown recipe (constructor, :meth:`set_recipe`); ``in_features`` or
+            ``out_features`` not an integer in [1, 2**31 - 1] (constructor).
+        TypeError: a ``dtype`` that is not floating point, or not float32/bfloat16/float16
+            under a quantizing recipe (constructor).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Recipe | str = "mxfp8",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-        recipe = get_recipe(recipe)  # before nn.Linear's init: a bad name fails before any RNG draw
+        recipe = get_recipe(recipe)  # before nn.Linear's init: bad arguments fail before any RNG draw
+        check_size("in_features", in_features)
+        check_size("out_features", out_features)
+        check_parameter_dtype(dtype, recipe, "MXLinear")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._recipe = recipe
 

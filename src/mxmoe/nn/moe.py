@@ -38,6 +38,7 @@ from ..ops.combine import combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..ops.quantize import check_weight_dtype
 from ..recipe import Recipe, get_recipe
+from .args import check_parameter_dtype, check_size
 from .recipe_module import RecipeModule
 
 
@@ -214,12 +215,6 @@ def runs_fused(fused: bool, recipe: Recipe, x: Tensor) -> bool:
     return fused and x.dtype == torch.bfloat16 and not use_native_mx_grouped_mm(x.device, recipe)
 
 
-def _check_size(name: str, value, minimum: int = 1) -> None:
-    """ValueError unless ``value`` is an int >= minimum (bool refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def _check_mx_dispatch(mx_dispatch: bool, recipe: Recipe) -> None:
     if mx_dispatch and not recipe.quantize:
         raise ValueError(f"mx_dispatch needs a quantizing expert recipe (mxfp8, ...), got {recipe.name!r}: "
@@ -328,8 +323,9 @@ class MoE(RecipeModule, nn.Module):
             gradient GEMM then blocks the rounded rows along tokens, not the original ones.
 
     Raises:
-        ValueError: a size that is not a positive integer, top_k outside [1, E], unknown
-            recipe, ``mx_dispatch`` with a recipe that does not quantize.
+        ValueError: a size that is not an integer in [1, 2**31 - 1] (``shared_expert_hidden``
+            [0, 2**31 - 1]), top_k outside [1, E], unknown recipe, ``mx_dispatch`` with a
+            recipe that does not quantize.
 
     Parameters (state_dict keys): ``router.weight`` (E, D), ``experts.w13`` (E, 2F, D),
     ``experts.w2`` (E, D, F), and with a shared expert ``shared.w13`` (2F_s, D),
@@ -341,7 +337,9 @@ class MoE(RecipeModule, nn.Module):
     ``loss = ce + 0.01 * aux.aux_loss + 1e-3 * aux.z_loss`` (the coefficients of
     :class:`~mxmoe.models.ModelConfig`). ``fused`` says whether the layer is built for the
     fused op under its current recipe; ``last_ran_fused`` whether the last forward ran it
-    (a float32 or float16 input runs the composed path: see :func:`runs_fused`). After
+    (a float32 or float16 input runs the composed path: see :func:`runs_fused`; in
+    float16, GEMM outputs beyond 65504 overflow as in any float16 model, and a gate that
+    overflows to -inf makes the SwiGLU NaN: docs/ARCHITECTURE.md). After
     each forward, ``last_tokens_per_expert`` holds the (E,) token counts. (A CUDA graph
     replay of a captured forward rewrites the tensor assigned at capture, not the
     attribute: after any later eager forward, such as an evaluation, the attribute no longer
@@ -357,8 +355,8 @@ class MoE(RecipeModule, nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_experts", n_experts), ("d_expert", d_expert),
                             ("n_layers", n_layers)):
-            _check_size(name, value)
-        _check_size("shared_expert_hidden", shared_expert_hidden, minimum=0)
+            check_size(name, value)
+        check_size("shared_expert_hidden", shared_expert_hidden, minimum=0)
         recipe = get_recipe(recipe)
         _check_mx_dispatch(mx_dispatch, recipe)
         self.d_model, self.d_expert = d_model, d_expert
@@ -453,7 +451,9 @@ class GroupedExperts(RecipeModule, nn.Module):
     ``w13[e] = cat([gate_e.weight, up_e.weight])``, ``w2[e] = down_e.weight``.
 
     Raises:
-        ValueError: a size that is not a positive integer, unknown recipe.
+        ValueError: a size that is not an integer in [1, 2**31 - 1], unknown recipe.
+        TypeError: a ``dtype`` that is not floating point, or not float32/bfloat16/float16
+            under a quantizing recipe.
     """
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, *, recipe: Recipe | str = "mxfp8",
@@ -462,9 +462,10 @@ class GroupedExperts(RecipeModule, nn.Module):
         super().__init__()
         for name, value in (("n_experts", n_experts), ("d_model", d_model), ("d_expert", d_expert),
                             ("n_layers", n_layers)):
-            _check_size(name, value)
+            check_size(name, value)
         self.n_experts, self.d_model, self.d_expert = n_experts, d_model, d_expert
         self._recipe = get_recipe(recipe)
+        check_parameter_dtype(dtype, self._recipe, "GroupedExperts")
         self.prefer_fused = fused
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * d_expert, d_model, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, d_expert, device=device, dtype=dtype))

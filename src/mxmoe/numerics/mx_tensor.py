@@ -45,6 +45,20 @@ class MXTensor:
         dim: the blocked dimension (non-negative). scale_mode: rule that chose the scales.
         orig_size: size of ``dim`` before zero padding (``quantize_mx(pad=True)``);
             dequantization drops the padding.
+
+    Construction checks that the fields describe one MX tensor (``fmt`` and
+    ``scale_mode`` may be given by name and are parsed; a negative ``dim`` is made
+    non-negative).
+
+    Raises:
+        TypeError: ``qdata``/``scale`` is not a tensor or has the wrong dtype for ``fmt``
+            (:data:`~mxmoe.numerics.formats.ELEM_SPECS`) / E8M0, or ``block_size``,
+            ``dim``, ``orig_size`` is not an int.
+        ValueError: an unknown ``fmt``/``scale_mode``, ``block_size`` < 1 (or odd for
+            E2M1), ``dim`` out of range, ``qdata`` and ``scale`` shapes that do not
+            match (every dimension equal except ``dim``, where ``qdata`` holds
+            ``block_size`` elements per scale, half as many bytes for E2M1), or an
+            ``orig_size`` outside ``(padded - block_size, padded]``.
     """
 
     qdata: Tensor
@@ -54,6 +68,43 @@ class MXTensor:
     dim: int
     scale_mode: ScaleMode
     orig_size: int
+
+    def __post_init__(self) -> None:
+        self.fmt = ElemFormat.parse(self.fmt)
+        self.scale_mode = ScaleMode.parse(self.scale_mode)
+        for name in ("qdata", "scale"):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor):
+                raise TypeError(f"MXTensor {name} must be a torch.Tensor, got {type(value).__name__}")
+        for name in ("block_size", "dim", "orig_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MXTensor {name} must be an int, got {value!r}")
+        want = self.fmt.spec.torch_dtype
+        if self.qdata.dtype != want:
+            raise TypeError(f"MXTensor qdata of format {self.fmt.value} must be {want}, got {self.qdata.dtype}")
+        if self.scale.dtype != torch.float8_e8m0fnu:
+            raise TypeError(f"MXTensor scale must be torch.float8_e8m0fnu (E8M0), got {self.scale.dtype}")
+        if self.block_size < 1 or (self.fmt is ElemFormat.E2M1 and self.block_size % 2):
+            raise ValueError(f"MXTensor block_size must be a positive int (even for e2m1), got {self.block_size}")
+        ndim = self.qdata.dim()
+        if ndim == 0 or not -ndim <= self.dim < ndim:
+            raise ValueError(f"MXTensor dim {self.dim} is out of range for qdata of shape {tuple(self.qdata.shape)}")
+        self.dim %= ndim
+        per_byte = 2 if self.fmt is ElemFormat.E2M1 else 1
+        expect = list(self.scale.shape)
+        if len(expect) == ndim:
+            expect[self.dim] = expect[self.dim] * self.block_size // per_byte
+        if tuple(self.qdata.shape) != tuple(expect):
+            raise ValueError(
+                f"MXTensor shapes do not match: qdata {tuple(self.qdata.shape)}, scale {tuple(self.scale.shape)}, "
+                f"block_size {self.block_size}, dim {self.dim}; the scale must have qdata's shape with dim "
+                f"{self.dim} holding one scale per {self.block_size} elements")
+        padded = self.scale.shape[self.dim] * self.block_size
+        if not max(0, padded - self.block_size) < self.orig_size <= padded and not (padded == 0 == self.orig_size):
+            raise ValueError(f"MXTensor orig_size {self.orig_size} does not fit a padded size of {padded} "
+                             f"(blocks of {self.block_size}): use a value in ({max(0, padded - self.block_size)}, "
+                             f"{padded}]")
 
     @property
     def padded_shape(self) -> torch.Size:

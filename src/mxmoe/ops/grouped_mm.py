@@ -26,6 +26,7 @@ from ..kernels import cutlass_mx_grouped_gemm
 from ..recipe import Recipe, get_recipe
 from .autograd import no_double_backward
 from .backend import GroupedGemmBackend, grouped_gemm_backend, widen_weight_grad
+from .args import check_tensor_args
 from .offsets import check_offsets_values
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
 from .quantize import check_weight_dtype, fake_quantize_grouped_tokens_pair, fake_quantize_operand
@@ -134,6 +135,7 @@ def mx_grouped_mm_dgrad(dy: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe |
     The implementation follows :func:`mxmoe.ops.backend.grouped_gemm_backend`, as in the backward.
     """
     recipe = get_recipe(recipe)
+    check_tensor_args("mx_grouped_mm_dgrad", dy=dy, w=w, offsets=offsets)
     check_weight_dtype(w, "w", "mx_grouped_mm_dgrad", recipe)
     _check_args(dy, w, offsets, "mx_grouped_mm_dgrad", "dy", "N")
     check_offsets_values(offsets, dy.shape[0], "mx_grouped_mm_dgrad")
@@ -175,8 +177,9 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
         (T, N) in x's dtype; rows past offsets[-1] are zeros.
 
     Raises:
-        TypeError: x not float32/bfloat16/float16, offsets not int32/int64.
-        ValueError: shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ;
+        TypeError: an argument is not a tensor, x not float32/bfloat16/float16, offsets
+            not int32/int64.
+        ValueError: a tensor on the meta device, shapes disagree (x (T, K), w (E, N, K), offsets (E,)), devices differ;
             offsets that break the contract (a negative start, a decrease, past T): checked
             on the CPU, and on CUDA only with ``MXMOE_CHECK_OFFSETS=1`` (no host sync by
             default).
@@ -186,6 +189,7 @@ def mx_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, recipe: Recipe | str = 
     break on each side (module note at ``_apply``).
     """
     recipe = get_recipe(recipe)
+    check_tensor_args("mx_grouped_mm", x=x, w=w, offsets=offsets)
     check_weight_dtype(w, "w", "mx_grouped_mm", recipe)
     _check_args(x, w, offsets, "mx_grouped_mm", "x", "K")
     return _apply(x, w, offsets, recipe)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..recipe import Recipe, get_recipe
+from .args import check_tensor_args
 from .autograd import no_double_backward
 from .quantize import check_weight_dtype, fake_quantize_operand, fake_quantize_rowcol
 from .weight_cache import dgrad_operand, weight_operands
@@ -97,8 +98,8 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
         (..., N) in x's dtype.
 
     Raises:
-        TypeError: x is not a float32/bfloat16/float16 tensor.
-        ValueError: w is not 2-D or its K differs from x's; unknown recipe.
+        TypeError: x or w is not a tensor, x is not float32/bfloat16/float16.
+        ValueError: x or w on the meta device, w is not 2-D or its K differs from x's; unknown recipe.
 
     K and the number of tokens need not be multiples of 32: tail blocks are zero padded,
     which leaves every product unchanged. Under ``torch.compile`` the quantizing recipes run
@@ -106,8 +107,7 @@ def mx_linear(x: Tensor, w: Tensor, recipe: Recipe | str = "mxfp8") -> Tensor:
     is F.linear and compiles.
     """
     recipe = get_recipe(recipe)
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        raise TypeError(f"mx_linear takes tensors x and w, got {type(x).__name__} and {type(w).__name__}")
+    check_tensor_args("mx_linear", x=x, w=w)
     if x.dim() == 0:
         raise ValueError("x is a 0-d tensor; mx_linear takes x of shape (..., K)")
     if x.dtype not in _ACT_DTYPES:

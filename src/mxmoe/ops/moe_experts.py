@@ -45,6 +45,7 @@ from ..numerics.grouped import torch_quantize_grouped_dim0
 from ..numerics.mx_tensor import MXTensor
 from .autograd import no_double_backward
 from .backend import use_triton_for, widen_weight_grad
+from .args import check_tensor_args
 from .offsets import check_offsets_values
 from ..recipe import Recipe, get_recipe
 from .gemm import grouped_mm_nn, grouped_mm_nt, grouped_mm_tn
@@ -227,6 +228,9 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
     check_offsets_values(offsets_E, A, "mx_moe_experts", exact=True)  # every row belongs to an expert
     if x_TD.device.type == "cpu" and A:
         k = A // T
+        low, high = int(src_A.min()), int(src_A.max())
+        if low < 0 or high >= T:
+            raise ValueError(f"src_A holds token index {low if low < 0 else high}; token indices are 0 .. T - 1 = {T - 1}")
         if not bool((torch.bincount(src_A, minlength=T) == k).all()):
             raise ValueError(f"every token must appear exactly k = {k} times in src_A")
     return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
@@ -250,17 +254,20 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
-        TypeError: offsets not int32, src_A not an integer tensor.
-        ValueError: unsupported recipe or shapes (x (T, D), w13 (E, 2F, D), w2 (E, D, F),
+        TypeError: an argument is not a tensor, offsets not int32, src_A not an integer
+            tensor.
+        ValueError: a tensor on the meta device or tensors on different devices,
+            unsupported recipe or shapes (x (T, D), w13 (E, 2F, D), w2 (E, D, F),
             offsets (E,), src_A (A,)), activations not bf16; on the CPU also offsets that
-            break the contract (a negative start, a decrease, offsets[-1] != A) or a token
-            not appearing exactly k times. On CUDA these values are not checked (it would
+            break the contract (a negative start, a decrease, offsets[-1] != A), a token
+            index outside 0 .. T - 1 or a token not appearing exactly k times. On CUDA these values are not checked (it would
             cost a host sync), except the offsets with ``MXMOE_CHECK_OFFSETS=1``.
 
     Under ``torch.compile`` the op runs eagerly, with a graph break on each side (note at
     ``mxmoe.ops.grouped_mm._apply``).
     """
     recipe = get_recipe(recipe)
+    check_tensor_args("mx_moe_experts", x_TD=x_TD, src_A=src_A, offsets_E=offsets_E, w13_E2FD=w13_E2FD, w2_EDF=w2_EDF)
     check_weight_dtype(w13_E2FD, "w13", "mx_moe_experts", recipe)
     check_weight_dtype(w2_EDF, "w2", "mx_moe_experts", recipe)
     if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2:
@@ -287,4 +294,9 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     T, A = x_TD.shape[0], src_A.numel()
     if (T == 0) != (A == 0) or (T and A % T):
         raise ValueError(f"src_A has {A} rows, not a multiple of T={T}")
+    devices = {t.device for t in (x_TD, src_A, offsets_E, w13_E2FD, w2_EDF)}
+    if len(devices) > 1:
+        raise ValueError(f"x, src_A, offsets, w13 and w2 must be on one device, got x on {x_TD.device}, src_A on "
+                         f"{src_A.device}, offsets on {offsets_E.device}, w13 on {w13_E2FD.device}, w2 on "
+                         f"{w2_EDF.device}")
     return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)

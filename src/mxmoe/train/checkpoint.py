@@ -17,6 +17,7 @@ without ``"checksums"`` (written before they were stored) loads unchecked.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -51,10 +52,35 @@ def _umask() -> int:
     return mask
 
 
+# how torch's zip writer (PyTorchStreamWriter) says that a write to the file failed
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing", re.IGNORECASE)
+
+
 def atomic_write_bytes(path: Path, write) -> None:
     """Create ``path`` atomically: ``write(fileobj)`` fills a temp file beside it, which is
-    fsynced and renamed over ``path``. The temp file is removed if ``write`` fails."""
+    fsynced and renamed over ``path``. The temp file is removed if ``write`` fails.
+
+    Raises:
+        OSError: the directory cannot be created or written, or the disk is full: re-raised
+            with ``filename`` = ``path`` (the destination the user named, not the temp
+            file's name) and the same errno and reason; ``path`` is left as it was.
+    """
     path = Path(path)
+    try:
+        _atomic_write(path, write)
+    except OSError as e:
+        if isinstance(e.filename, (str, os.PathLike)) and Path(e.filename) == path:
+            raise
+        raise OSError(e.errno, e.strerror or " ".join(str(e).split()), str(path)) from e
+    except RuntimeError as e:
+        # torch.save's zip writer reports a failed write (disk full, I/O error) as a
+        # RuntimeError ("unexpected pos 1024 vs 918", "file write failed") with no path
+        if not _TORCH_WRITE_FAILED.search(str(e)):
+            raise
+        raise OSError(errno.EIO, "the write failed (disk full or an I/O error)", str(path)) from e
+
+
+def _atomic_write(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -167,7 +193,8 @@ def _one_line(e: BaseException) -> str:
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     """The checkpoint file that ``path`` names: ``path/checkpoint.pt`` for a run directory
-    (existing or not, unless ``path`` ends in ``.pt``), else ``path``.
+    (existing, or missing and named without a file suffix such as ``.pt`` or
+    ``.safetensors``), else ``path``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -178,7 +205,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
         inner = path / CHECKPOINT_NAME
         if inner.exists() or path.name != CHECKPOINT_NAME:
             path = inner
-    elif not path.exists() and path.suffix != ".pt":
+    elif not path.exists() and not path.suffix:
         path = path / CHECKPOINT_NAME
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}: it does not exist; pass a run directory, its "

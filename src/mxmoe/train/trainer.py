@@ -148,11 +148,25 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad setting and what would work."""
-        if self.recipe not in RECIPES:
-            _bad(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}")
-        if self.quant_backend not in BACKENDS:
-            _bad(f"unknown quant_backend {self.quant_backend!r}; use one of {', '.join(BACKENDS)}")
+        """Raise ValueError naming the first bad setting and what would work (a value of
+        the wrong type included: e.g. ``lr="3e-4"``, ``model={}``)."""
+        if not isinstance(self.model, ModelConfig):
+            _bad(f"model must be a ModelConfig, got {type(self.model).__name__}; build it with ModelConfig(...) or "
+                 f"ModelConfig.from_dict(...)")
+        for name, choices in (("recipe", RECIPES), ("quant_backend", BACKENDS), ("device", None)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (choices is not None and value not in choices):
+                options = ", ".join(choices) if choices is not None else "auto, cpu, cuda or cuda:N"
+                _bad(f"unknown {name} {value!r}; use one of {options}")
+        if self.data is not None and not isinstance(self.data, (str, os.PathLike)):
+            _bad(f"data must be a path to a corpus file or None (the Python standard library), got {self.data!r}")
+        for name in ("progress", "overwrite", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _bad(f"{name} must be a number, got {value!r} ({type(value).__name__})")
         for name in ("batch_size", "seq_len", "steps", "eval_interval", "eval_batches", "max_bad_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
@@ -178,6 +192,10 @@ class TrainConfig:
             _bad(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             _bad(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay > 1:
+            _bad(f"lr={self.lr:g} x weight_decay={self.weight_decay:g} = {self.lr * self.weight_decay:g} > 1: AdamW's "
+                 f"decoupled decay multiplies each weight by 1 - lr x decay per step, which would flip its sign "
+                 f"every step; use a weight_decay of at most 1 / lr = {1 / self.lr:g} (typical: 0.01-0.1)")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             _bad(f"AdamW betas must be in [0, 1), got {self.beta1}, {self.beta2}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -197,6 +215,10 @@ class TrainConfig:
         if self.batch_size % self.expert_parallel:
             _bad(f"--batch-size {self.batch_size} does not split over --expert-parallel {self.expert_parallel} "
                  f"ranks; use a multiple of {self.expert_parallel} (the global batch)")
+        if RECIPES[self.recipe].quantize and not self.model.quantized:
+            _bad(f"recipe {self.recipe!r} would quantize no GEMM: the list of quantized GEMMs is empty "
+                 f"(--quantize ''), which makes the run a bf16 run; name the GEMMs to quantize (e.g. --quantize "
+                 f"experts) or use --recipe bf16")
         if self.model.mx_dispatch and not RECIPES[self.recipe].quantize:
             _bad(f"--mx-dispatch rounds expert inputs to MXFP8; recipe {self.recipe!r} does not quantize")
 
@@ -208,9 +230,16 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """The config :meth:`to_dict` wrote (the model config nested)."""
+        """The config :meth:`to_dict` wrote (the model config nested; missing keys take
+        their defaults, unknown keys are ignored).
+
+        Raises:
+            TypeError: ``d`` or its ``model`` entry is not a dict.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"TrainConfig.from_dict takes a dict (what to_dict wrote), got {type(d).__name__}")
         d = dict(d)
-        model = ModelConfig.from_dict(d.pop("model"))
+        model = ModelConfig.from_dict(d.pop("model", {}))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(model=model, **{k: v for k, v in d.items() if k in known})
 
