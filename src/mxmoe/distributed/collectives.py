@@ -3,9 +3,13 @@
 ``all_to_all_rows`` exchanges the rows of a (R, C) tensor: rank i sends rows
 ``send_splits[j]`` (consecutive, in rank order) to rank j and receives ``recv_splits[j]``
 rows from rank j, concatenated in source-rank order. It is
-``torch.distributed.all_to_all_single`` with split sizes given on the host (which is why
-expert parallelism synchronizes with the host once per MoE layer: the sizes depend on the
-routing).
+``torch.distributed.all_to_all_single`` with split sizes given on the host. Split sizes
+that depend on the routing must first be read back to the host (the expert-parallel
+layer's host-splits dispatch); the padded dispatch passes equal splits that depend only on
+shapes (a fixed capacity per rank pair), so nothing is read back.
+
+``gather_counts`` all-gathers a small integer tensor (the per-expert counts) into one
+(P, ...) tensor on the device, without reading it on the host.
 
 :class:`AllToAllRows` is its ``autograd.Function``: the backward is the reverse
 all-to-all (send and receive splits swapped), a permutation of rows between ranks, so
@@ -141,6 +145,29 @@ def all_to_all_rows(x_RC: Tensor, recv_splits: list[int], send_splits: list[int]
     with stats.record(kind, remote, x_RC.shape[0] * row_bytes, x_RC.device):
         dist.all_to_all_single(out, x_RC, recv_splits, send_splits, group=group)
     return out
+
+
+def gather_counts(counts_E: Tensor, group=None, stats: CommStats | None = None) -> Tensor:
+    """All-gather every rank's counts into one device tensor (no host read).
+
+    Args:
+        counts_E: (E,) int64 on this rank's device (the same E on every rank).
+        group: process group (None: the default group). stats: optional recorder
+            (kind ``"counts"``).
+
+    Returns:
+        (P, E) int64 on counts_E's device, row s = rank s's counts.
+    """
+    world = dist.get_world_size(group)
+    out_PE = counts_E.new_empty((world, *counts_E.shape))
+    views = list(out_PE.unbind(0))  # contiguous rows of one tensor: no copy afterwards
+    if stats is None:
+        dist.all_gather(views, counts_E.contiguous(), group=group)
+    else:
+        nbytes = counts_E.numel() * counts_E.element_size()
+        with stats.record("counts", nbytes * (world - 1), nbytes, counts_E.device):
+            dist.all_gather(views, counts_E.contiguous(), group=group)
+    return out_PE
 
 
 class AllToAllRows(torch.autograd.Function):
