@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused, tokens_per_expert
+from ..ops.autograd import no_double_backward
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
@@ -166,6 +167,32 @@ class _MXDispatch(torch.autograd.Function):
     def backward(ctx, dx_RD: Tensor):
         dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "dispatch.grad")
         return dx_AD, None, None, None, None, None, None, None
+
+
+class _CombineExchange(torch.autograd.Function):
+    """The combine all-to-all (expert outputs back to their source ranks) whose backward
+    sends the output gradients to the expert ranks as MXFP8 rows (codes + scales along D,
+    the recipe's format, scale rule and block size), dequantized on arrival.
+
+    Exact only where the expert rank reads those gradients solely through the w2 dgrad
+    GEMM, which quantizes them along D with the same blocks (re-quantizing MX values gives
+    them back): when w2 takes no gradient. The w2 wgrad GEMM quantizes the same gradients
+    along tokens, in blocks of 32 rows of one expert that mix source ranks, and needs
+    their unrounded values (:class:`ExpertParallelMoELayer` decides).
+    """
+
+    @staticmethod
+    def forward(ctx, y_NC: Tensor, recv_splits, send_splits, group, stats, recipe: Recipe) -> Tensor:
+        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.recipe = recv_splits, send_splits, group, stats, recipe
+        return all_to_all_rows(y_NC, recv_splits, send_splits, group, stats, "combine")
+
+    @staticmethod
+    @no_double_backward("the MXFP8 combine gradient exchange", "build the layer with mx_backward=False")
+    def backward(ctx, dy_NC: Tensor):
+        D = dy_NC.shape[1]
+        packed = pack_mx_rows(dy_NC, ctx.recipe)
+        recv = all_to_all_rows(packed, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "combine.grad")
+        return unpack_mx_rows(recv, D, ctx.recipe, dy_NC.dtype), None, None, None, None, None
 
 
 def expert_major_order(recv_counts_PL: Tensor) -> Tensor:
@@ -336,6 +363,13 @@ class ExpertParallelMoELayer(nn.Module):
         capacity_factor: padded dispatch only: None (default) sizes the buffers for the
             worst case, never dropping; f > 0 bounds them (:func:`dispatch_capacity`) and
             drops the overflow, counted in ``last_dropped_rows``.
+        mx_backward: send backward exchanges as MXFP8 where that is exact: the combine's
+            gradient (to the expert ranks) while this layer's ``experts.w2`` takes no
+            gradient (frozen experts' down projection: its rows then feed only the w2
+            dgrad GEMM, which quantizes them along D anyway). Otherwise, and always for
+            the dispatch's gradient (summed over k into the residual stream, unquantized
+            in one process), the backward travels in the activation dtype.
+            ``last_mx_backward`` says whether the last forward's backward will.
 
     Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
@@ -354,8 +388,12 @@ class ExpertParallelMoELayer(nn.Module):
 
     def __init__(self, layer: MoELayer, group=None, mx_dispatch: bool | None = None,
                  comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, mx_backward: bool = False):
         super().__init__()
+        if mx_backward:
+            _check_wire_recipe(layer.recipe)
+        self.mx_backward = mx_backward
+        self.last_mx_backward: bool | None = None
         try:
             self.dispatch = DispatchMode(dispatch)
         except ValueError:
@@ -381,8 +419,8 @@ class ExpertParallelMoELayer(nn.Module):
         lo, hi = rank * self.n_local, (rank + 1) * self.n_local
         with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
             self.experts = SwiGLUExperts(self.n_local, w13.shape[2], w2.shape[2], 1)
-        self.experts.w13 = nn.Parameter(w13.detach()[lo:hi].clone())
-        self.experts.w2 = nn.Parameter(w2.detach()[lo:hi].clone())
+        self.experts.w13 = nn.Parameter(w13.detach()[lo:hi].clone(), requires_grad=w13.requires_grad)
+        self.experts.w2 = nn.Parameter(w2.detach()[lo:hi].clone(), requires_grad=w2.requires_grad)
         self.comm_stats = comm_stats
         self.last_tokens_per_expert: Tensor | None = None
         self.last_dropped_rows: Tensor | None = None
@@ -443,6 +481,14 @@ class ExpertParallelMoELayer(nn.Module):
                                      self.comm_stats)
         return AllToAllRows.apply(x_send, recv_splits, send_splits, self.group, self.comm_stats, "dispatch")
 
+    def _combine_exchange(self, y_NC: Tensor, recv_splits, send_splits) -> Tensor:
+        """The combine all-to-all; its backward in MXFP8 where exact (``mx_backward``)."""
+        mx = self.mx_backward and torch.is_grad_enabled() and not self.experts.w2.requires_grad
+        self.last_mx_backward = mx
+        if mx:
+            return _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, self.recipe)
+        return AllToAllRows.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine")
+
     def _local_experts(self, x_RD: Tensor, src_R: Tensor, offsets_L: Tensor, unrouted_tail: bool
                        ) -> tuple[Tensor, bool]:
         """The L local experts on the rows x_RD[src_R] (expert-major); returns their outputs
@@ -475,7 +521,7 @@ class ExpertParallelMoELayer(nn.Module):
         y_local_ND, fused = self._local_experts(x_ND, src_N, offsets_L, unrouted_tail=True)
         # back to buffer order; the padding rows (unspecified on the fused path) become zeros
         y_ND = torch.where(valid_N.unsqueeze(1), y_local_ND.index_select(0, out_row_N), 0.0)
-        y_back_ND = AllToAllRows.apply(y_ND, splits, splits, self.group, self.comm_stats, "combine")
+        y_back_ND = self._combine_exchange(y_ND, splits, splits)
         y_back = torch.cat([y_back_ND, y_back_ND.new_zeros(T * k, D)])  # dropped rows read zeros
         y_sorted_AD = y_back.index_select(0, target_A)
         y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
@@ -508,7 +554,7 @@ class ExpertParallelMoELayer(nn.Module):
         y_local_RD, fused = self._local_experts(x_RD, perm_R, offsets_L, unrouted_tail=False)
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
-        y_sorted_AD = AllToAllRows.apply(y_RD, send_splits, recv_splits, self.group, self.comm_stats, "combine")
+        y_sorted_AD = self._combine_exchange(y_RD, send_splits, recv_splits)
         y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
         return y_TD, counts_global_E.to(device), tokens_global, fused
 
@@ -538,7 +584,7 @@ class ExpertParallelMoELayer(nn.Module):
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
                   comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                  capacity_factor: float | None = None) -> list[ExpertParallelMoELayer]:
+                  capacity_factor: float | None = None, mx_backward: bool = False) -> list[ExpertParallelMoELayer]:
     """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
@@ -556,7 +602,8 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
-                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, dispatch, capacity_factor)
+                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, dispatch, capacity_factor,
+                                            mx_backward)
                 setattr(module, child_name, ep)
                 layers.append(ep)
     return layers
