@@ -246,8 +246,9 @@ def case_mx_backward(recipe: str, freeze_w2: bool) -> dict:
         from mxmoe.distributed.ep import _CombineExchange
 
         class Forced(ExpertParallelMoELayer):
-            def _combine_exchange(self, y_NC, recv_splits, send_splits):
-                return _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, None, self.recipe)
+            def _combine_exchange(self, y_NC, recv_splits, send_splits, during=None):
+                out = _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, None, self.recipe)
+                return out, (during() if during is not None else None)
 
         forced = Forced(copy.deepcopy(base))
         y3, dx3, grads3 = run_ep(forced, x, G, rank)
@@ -260,6 +261,42 @@ def case_mx_backward(recipe: str, freeze_w2: bool) -> dict:
         out["same_as_bf16_wire"] = torch.equal(y, y2) and torch.equal(dx, dx2) and all(
             torch.equal(grads[n], grads2[n]) for n in grads)
     return out
+
+
+def case_overlap(dispatch: str) -> dict:
+    """The shared expert runs while the combine (forward) and its gradient (backward) are in
+    flight: the order of issue, shared expert and wait, logged; and the results equal the
+    layer without overlap bit for bit (every parameter gradient, the shared expert's too)."""
+    import mxmoe.distributed.collectives as coll
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    x, G = inputs(P, False)
+    base = make_layer("mxfp8", shared=32)
+    events: list[str] = []
+    real_start, real_finish = coll.start_all_to_all_rows, coll.finish_all_to_all
+
+    def start(x_RC, recv, send, group=None, stats=None, kind="rows"):
+        events.append(f"issue {kind}")
+        out, handle = real_start(x_RC, recv, send, group, stats, kind)
+        return out, handle + (kind,)
+
+    def finish(handle):
+        events.append(f"wait {handle[-1]}")
+        real_finish(handle[:-1])
+
+    ep = ExpertParallelMoELayer(copy.deepcopy(base), dispatch=dispatch)
+    ep.shared.register_forward_hook(lambda *a: events.append("shared forward"))
+    ep.shared.register_full_backward_hook(lambda *a: events.append("shared backward"))
+    coll.start_all_to_all_rows, coll.finish_all_to_all = start, finish
+    try:
+        y, dx, grads = run_ep(ep, x, G, rank)
+    finally:
+        coll.start_all_to_all_rows, coll.finish_all_to_all = real_start, real_finish
+    plain = ExpertParallelMoELayer(copy.deepcopy(base), dispatch=dispatch, overlap=False)
+    y2, dx2, grads2 = run_ep(plain, x, G, rank)
+    return {"events": events, "overlapped": ep.last_overlapped, "plain_overlapped": plain.last_overlapped,
+            "same_as_without_overlap": torch.equal(y, y2) and torch.equal(dx, dx2)
+            and sorted(grads) == sorted(grads2) and all(torch.equal(grads[n], grads2[n]) for n in grads)}
 
 
 def main() -> int:
@@ -278,6 +315,8 @@ def main() -> int:
         result["mx_backward_frozen_w2"] = case_mx_backward("mxfp8", True)
         result["mx_backward_floor_frozen_w2"] = case_mx_backward("mxfp8-floor", True)
         result["mx_backward_trained_w2"] = case_mx_backward("mxfp8", False)
+        result["overlap_padded"] = case_overlap("padded")
+        result["overlap_host_splits"] = case_overlap("host-splits")
         result["mx_row_bytes"] = mx_row_bytes(D, 32)
     except Exception:
         result["error"] = traceback.format_exc()

@@ -12,6 +12,10 @@ reported by the layer equal a count made here from the routing, and the output e
 process in which the dropped assignments contribute nothing (their combine weight zeroed),
 bit for bit; the gradients are those of a capacity-factor MoE and are not compared.
 
+Overlap: with a shared expert, the combine all-to-all is issued with ``async_op=True`` and
+the shared expert runs before the wait, forward and backward; the order is logged and the
+results are bit-identical to the layer without overlap.
+
 Host sync: :class:`ep_dispatch_worker.HostSyncRecorder` records, during forward and
 backward, every op that would make the host wait for a CUDA device; the padded dispatch
 must record none, and the host-splits dispatch (which reads its split sizes) must record
@@ -159,3 +163,16 @@ def test_mxfp8_combine_gradient_stays_bf16_while_w2_trains(group):
         assert c["forced_y_equal"]
     # some rank's w2 gradient changes (a rank whose experts' token blocks hold no outlier row may not)
     assert not all(res["mx_backward_trained_w2"]["forced_w2_equal"] for res in results)
+
+
+@pytest.mark.parametrize("case", ["overlap_padded", "overlap_host_splits"])
+def test_shared_expert_runs_while_the_combine_is_in_flight(group, case):
+    """Forward: combine issued, shared expert, wait; backward: the combine's gradient
+    issued, the shared expert's backward, wait. Bit-identical to the layer without overlap."""
+    P, results = group
+    for rank, res in enumerate(results):
+        c = res[case]
+        assert c["overlapped"] and c["plain_overlapped"] is False
+        assert c["events"] == ["issue combine", "shared forward", "wait combine",
+                               "issue combine.grad", "shared backward", "wait combine.grad"], (P, rank, c["events"])
+        assert c["same_as_without_overlap"], f"P={P} rank {rank} {case}"

@@ -89,7 +89,15 @@ from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import Recipe
-from .collectives import AllToAllRows, CommStats, all_to_all_rows, gather_counts
+from .collectives import (
+    AllToAllRows,
+    AllToAllStart,
+    AllToAllWait,
+    CommStats,
+    ExchangeTicket,
+    all_to_all_rows,
+    gather_counts,
+)
 
 # element formats the MXFP8 wire format carries: one byte per element, viewable as uint8
 WIRE_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
@@ -370,6 +378,14 @@ class ExpertParallelMoELayer(nn.Module):
             the dispatch's gradient (summed over k into the residual stream, unquantized
             in one process), the backward travels in the activation dtype.
             ``last_mx_backward`` says whether the last forward's backward will.
+        overlap: run the shared expert (if the layer has one) while the combine's rows
+            are in flight: the combine is issued with ``async_op=True``, the shared
+            expert's forward runs, then the layer waits; in the backward the combine's
+            gradient exchange is issued, the shared expert's backward runs, then the
+            layer waits (:class:`~mxmoe.distributed.collectives.AllToAllStart`). The same
+            operations on the same values, so the results are unchanged. Off with
+            ``mx_backward`` in effect (that exchange packs its gradient). ``last_overlapped``
+            says whether the last forward did.
 
     Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
@@ -388,8 +404,10 @@ class ExpertParallelMoELayer(nn.Module):
 
     def __init__(self, layer: MoELayer, group=None, mx_dispatch: bool | None = None,
                  comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                 capacity_factor: float | None = None, mx_backward: bool = False):
+                 capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True):
         super().__init__()
+        self.overlap = bool(overlap)
+        self.last_overlapped: bool | None = None
         if mx_backward:
             _check_wire_recipe(layer.recipe)
         self.mx_backward = mx_backward
@@ -450,12 +468,11 @@ class ExpertParallelMoELayer(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)
-        if self.dispatch is DispatchMode.PADDED:
-            y_TD, counts_global_E, tokens_global, fused = self._routed_padded(x_TD, r.experts_Tk, r.weights_Tk)
-        else:
-            y_TD, counts_global_E, tokens_global, fused = self._routed_host_splits(x_TD, r.experts_Tk, r.weights_Tk)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD, self.recipe)
+        shared = None if self.shared is None else (lambda: self.shared(x_TD, self.recipe))
+        route = self._routed_padded if self.dispatch is DispatchMode.PADDED else self._routed_host_splits
+        y_TD, y_shared_TD, counts_global_E, tokens_global, fused = route(x_TD, r.experts_Tk, r.weights_Tk, shared)
+        if y_shared_TD is not None:
+            y_TD = y_TD + y_shared_TD
         self.last_tokens_per_expert = counts_global_E
         self.last_ran_fused = fused  # set once the forward has run
         aux_share, z_share = self._loss_shares(r.probs_TE, r.logits_TE, counts_global_E, tokens_global)
@@ -481,13 +498,24 @@ class ExpertParallelMoELayer(nn.Module):
                                      self.comm_stats)
         return AllToAllRows.apply(x_send, recv_splits, send_splits, self.group, self.comm_stats, "dispatch")
 
-    def _combine_exchange(self, y_NC: Tensor, recv_splits, send_splits) -> Tensor:
-        """The combine all-to-all; its backward in MXFP8 where exact (``mx_backward``)."""
+    def _combine_exchange(self, y_NC: Tensor, recv_splits, send_splits, during=None) -> tuple[Tensor, Tensor | None]:
+        """The combine all-to-all; its backward in MXFP8 where exact (``mx_backward``).
+        ``during`` (the shared expert, or None) runs while the rows are in flight, forward
+        and backward, where ``overlap`` is on and the exchange is not MXFP8; returns
+        (received rows, ``during()`` or None)."""
         mx = self.mx_backward and torch.is_grad_enabled() and not self.experts.w2.requires_grad
         self.last_mx_backward = mx
+        self.last_overlapped = bool(self.overlap and during is not None and not mx)
+        if self.last_overlapped:
+            ticket = ExchangeTicket()
+            out = AllToAllStart.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine", ticket)
+            extra = during()  # independent of the exchange: overlaps it (and its gradient, backward)
+            return AllToAllWait.apply(out, ticket), extra
         if mx:
-            return _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, self.recipe)
-        return AllToAllRows.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine")
+            out = _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, self.recipe)
+        else:
+            out = AllToAllRows.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine")
+        return out, (during() if during is not None else None)
 
     def _local_experts(self, x_RD: Tensor, src_R: Tensor, offsets_L: Tensor, unrouted_tail: bool
                        ) -> tuple[Tensor, bool]:
@@ -499,11 +527,12 @@ class ExpertParallelMoELayer(nn.Module):
                                   unrouted_tail=unrouted_tail), True
         return self.experts(x_RD.index_select(0, src_R), offsets_L, self.recipe), False
 
-    def _routed_padded(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor
-                       ) -> tuple[Tensor, Tensor, Tensor, bool]:
+    def _routed_padded(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
+                       ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, bool]:
         """Dispatch, experts and combine with fixed-size buffers (no host sync). Returns
-        (y_TD without the shared expert, global counts (E,), global tokens (device
-        scalar), fused)."""
+        (y_TD without the shared expert, the shared expert's output (``shared()``, run
+        during the combine) or None, global counts (E,), global tokens (device scalar),
+        fused)."""
         T, D = x_TD.shape
         k, E, L, P = self.top_k, self.n_experts, self.n_local, self.world_size
         experts_A = experts_Tk.reshape(-1)
@@ -521,15 +550,16 @@ class ExpertParallelMoELayer(nn.Module):
         y_local_ND, fused = self._local_experts(x_ND, src_N, offsets_L, unrouted_tail=True)
         # back to buffer order; the padding rows (unspecified on the fused path) become zeros
         y_ND = torch.where(valid_N.unsqueeze(1), y_local_ND.index_select(0, out_row_N), 0.0)
-        y_back_ND = self._combine_exchange(y_ND, splits, splits)
+        y_back_ND, y_shared_TD = self._combine_exchange(y_ND, splits, splits, shared)
         y_back = torch.cat([y_back_ND, y_back_ND.new_zeros(T * k, D)])  # dropped rows read zeros
         y_sorted_AD = y_back.index_select(0, target_A)
         y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
-        return y_TD, counts_global_E, counts_global_E.sum() // k, fused
+        return y_TD, y_shared_TD, counts_global_E, counts_global_E.sum() // k, fused
 
-    def _routed_host_splits(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor
-                            ) -> tuple[Tensor, Tensor, int, bool]:
-        """Dispatch, experts and combine with exact split sizes read on the host."""
+    def _routed_host_splits(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
+                            ) -> tuple[Tensor, Tensor | None, Tensor, int, bool]:
+        """Dispatch, experts and combine with exact split sizes read on the host (returns
+        as :meth:`_routed_padded`, the global tokens a host int)."""
         T, D = x_TD.shape
         k, E, L, P, device = self.top_k, self.n_experts, self.n_local, self.world_size, x_TD.device
         experts_A = experts_Tk.reshape(-1)
@@ -554,9 +584,9 @@ class ExpertParallelMoELayer(nn.Module):
         y_local_RD, fused = self._local_experts(x_RD, perm_R, offsets_L, unrouted_tail=False)
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
-        y_sorted_AD = self._combine_exchange(y_RD, send_splits, recv_splits)
+        y_sorted_AD, y_shared_TD = self._combine_exchange(y_RD, send_splits, recv_splits, shared)
         y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
-        return y_TD, counts_global_E.to(device), tokens_global, fused
+        return y_TD, y_shared_TD, counts_global_E.to(device), tokens_global, fused
 
     def _loss_shares(self, probs_TE: Tensor, logits_TE: Tensor, counts_global_E: Tensor,
                      tokens_global: int | Tensor) -> tuple[Tensor, Tensor]:
@@ -584,7 +614,8 @@ class ExpertParallelMoELayer(nn.Module):
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
                   comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                  capacity_factor: float | None = None, mx_backward: bool = False) -> list[ExpertParallelMoELayer]:
+                  capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True
+                  ) -> list[ExpertParallelMoELayer]:
     """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
@@ -603,7 +634,7 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
                 ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, dispatch, capacity_factor,
-                                            mx_backward)
+                                            mx_backward, overlap)
                 setattr(module, child_name, ep)
                 layers.append(ep)
     return layers
