@@ -215,7 +215,8 @@ class AllToAllStart(torch.autograd.Function):
     only after :class:`AllToAllWait`. Backward: waits for the reverse exchange that
     ``AllToAllWait``'s backward issued and returns its rows, so that the autograd nodes created between the two
     in the forward (independent work, such as a shared expert) run while the gradient rows
-    are in flight. Not differentiable twice.
+    are in flight. Under ``create_graph`` the backward exchanges synchronously through
+    :class:`AllToAllRows` instead (differentiable again, no overlap).
 
     ``AllToAllStart.apply(x_RC, recv_splits, send_splits, group, stats, kind, ticket)``.
     """
@@ -228,8 +229,11 @@ class AllToAllStart(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, _dy: Tensor):
+    def backward(ctx, dy: Tensor):
+        if ctx.ticket.backward is None:  # a differentiable backward (create_graph): exchange here
+            recv_splits, send_splits, group, stats, kind = ctx.ticket.splits
+            return AllToAllRows.apply(dy, send_splits, recv_splits, group, stats, kind + ".grad"), \
+                None, None, None, None, None, None
         dx, handle = ctx.ticket.backward  # the reverse exchange AllToAllWait's backward issued
         finish_all_to_all(handle)
         ctx.ticket.backward = None
@@ -252,8 +256,10 @@ class AllToAllWait(torch.autograd.Function):
         return out_RC
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy_RC: Tensor):
+        if torch.is_grad_enabled():  # create_graph: AllToAllStart's backward exchanges, differentiably
+            ctx.ticket.backward = None
+            return dy_RC, None
         recv_splits, send_splits, group, stats, kind = ctx.ticket.splits
         ctx.ticket.backward = start_all_to_all_rows(dy_RC, send_splits, recv_splits, group, stats, kind + ".grad")
         # the gradient of AllToAllStart's output is the one in flight: AllToAllStart's backward

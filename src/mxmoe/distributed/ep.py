@@ -83,7 +83,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused, tokens_per_expert
-from ..ops.autograd import no_double_backward
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
@@ -162,25 +161,29 @@ class _MXDispatch(torch.autograd.Function):
     """Forward: all-to-all of packed MXFP8 rows, dequantized on arrival. Backward: the
     reverse all-to-all of the gradient rows in the activation dtype (straight through the
     rounding, as :func:`mxmoe.nn.moe.mx_round_rows`), an :class:`AllToAllRows`: differentiable
-    again (double backward is supported)."""
+    again (double backward is supported). ``kind`` labels the exchange in ``stats``
+    (default "dispatch"; its gradient "<kind>.grad")."""
 
     @staticmethod
     def forward(ctx, x_AD: Tensor, packed_AB: Tensor, d_model: int, recipe: Recipe, recv_splits, send_splits,
-                group, stats):
-        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats = recv_splits, send_splits, group, stats
-        recv_RB = all_to_all_rows(packed_AB, recv_splits, send_splits, group, stats, "dispatch")
+                group, stats, kind: str = "dispatch"):
+        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.kind = recv_splits, send_splits, group, stats, kind
+        ctx.n_inputs = 9 if kind != "dispatch" else 8  # apply's arguments (kind is optional)
+        recv_RB = all_to_all_rows(packed_AB, recv_splits, send_splits, group, stats, kind)
         return unpack_mx_rows(recv_RB, d_model, recipe, x_AD.dtype)
 
     @staticmethod
     def backward(ctx, dx_RD: Tensor):
-        dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "dispatch.grad")
-        return dx_AD, None, None, None, None, None, None, None
+        dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
+        return (dx_AD,) + (None,) * (ctx.n_inputs - 1)
 
 
 class _CombineExchange(torch.autograd.Function):
     """The combine all-to-all (expert outputs back to their source ranks) whose backward
     sends the output gradients to the expert ranks as MXFP8 rows (codes + scales along D,
-    the recipe's format, scale rule and block size), dequantized on arrival.
+    the recipe's format, scale rule and block size), dequantized on arrival: an
+    :class:`_MXDispatch` of the gradient (straight through the rounding, so differentiable
+    again).
 
     Exact only where the expert rank reads those gradients solely through the w2 dgrad
     GEMM, which quantizes them along D with the same blocks (re-quantizing MX values gives
@@ -195,12 +198,11 @@ class _CombineExchange(torch.autograd.Function):
         return all_to_all_rows(y_NC, recv_splits, send_splits, group, stats, "combine")
 
     @staticmethod
-    @no_double_backward("the MXFP8 combine gradient exchange", "build the layer with mx_backward=False")
     def backward(ctx, dy_NC: Tensor):
-        D = dy_NC.shape[1]
         packed = pack_mx_rows(dy_NC, ctx.recipe)
-        recv = all_to_all_rows(packed, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "combine.grad")
-        return unpack_mx_rows(recv, D, ctx.recipe, dy_NC.dtype), None, None, None, None, None
+        dy = _MXDispatch.apply(dy_NC, packed, dy_NC.shape[1], ctx.recipe, ctx.send_splits, ctx.recv_splits, ctx.group,
+                               ctx.stats, "combine.grad")
+        return dy, None, None, None, None, None
 
 
 def expert_major_order(recv_counts_PL: Tensor) -> Tensor:
