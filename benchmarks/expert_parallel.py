@@ -1,16 +1,27 @@
-"""Expert parallelism on two GPUs: tokens/s per GPU against one GPU, and the all-to-all
-bytes and time per step with and without MXFP8 dispatch.
+"""Expert parallelism on two GPUs: tokens/s per GPU against one GPU, the all-to-all bytes
+and time per step, and the exposed all-to-all time from a profiler trace.
 
-    PYTHONPATH=src python3 benchmarks/expert_parallel.py [--quick] [--presets default,large]   # 2 GPUs
+    PYTHONPATH=src python3 benchmarks/expert_parallel.py             # 2 GPUs: presets h200, h200-shared
+    PYTHONPATH=src python3 benchmarks/expert_parallel.py [--quick] [--presets default,large]
     PYTHONPATH=src python3 benchmarks/expert_parallel.py --smoke     # CPU, gloo, tiny model
 
-The driver (this script without --worker) runs, per preset, three training runs of the
+The driver (this script without --worker) runs, per preset, four training runs of the
 same model and recipe (one process, or torchrun with --nproc-per-node 2):
 
 - ``1 GPU``: the single-process model, ``batch_size`` sequences per step;
 - ``EP 2``: expert parallel over 2 ranks (E / 2 experts each), global batch 2 x
-  ``batch_size`` (the same sequences per GPU: per-GPU throughput is comparable);
-- ``EP 2 + MXFP8 dispatch``: the same, the dispatched rows sent as E4M3 codes + E8M0 scales.
+  ``batch_size`` (the same sequences per GPU: per-GPU throughput is comparable), the
+  padded dispatch (no host sync; with a shared expert, the combine overlapped with it);
+- ``EP 2 host-splits``: the same with the host-splits dispatch (one host sync per layer,
+  no padding);
+- ``EP 2 + MXFP8 dispatch``: padded, the dispatched rows sent as E4M3 codes + E8M0 scales.
+
+Exposed communication (CUDA only): after the timed steps, ``--profile-steps`` more steps
+run under ``torch.profiler`` (CUDA activity). From the trace's kernels: the all-to-all
+time per step is the union of the NCCL SendRecv kernels' intervals (NCCL runs
+all_to_all_single as grouped send/recv); the exposed part is the time within it when no
+compute kernel (any non-NCCL kernel, on any stream) runs. The same for all NCCL kernels
+(adding the gradient all-reduce and the count all-gather).
 
 Every run steps with the library's step (:class:`mxmoe.train.step.TrainStep`, eager, for
 one process; :class:`mxmoe.train.step.ExpertParallelStep` on each rank). The runs train
@@ -33,6 +44,7 @@ Presets (model shapes; --recipe mxfp8 by default):
 - ``default``: ``mxmoe train``'s defaults (4 layers, width 256, 8 experts of width 128,
   top-2, 16 x 256 tokens per GPU): launch-bound.
 - ``h200``: the model of ``mxmoe train --preset h200`` (8 layers, width 512, 32 experts).
+- ``h200-shared``: ``h200`` with a shared expert of width 512 (what the combine overlaps).
 - ``large``: 4 layers, width 2048, 16 heads, 16 experts of width 1024, top-2, 8 x 1024
   tokens per GPU: dispatch rows of 4 KiB (bf16) where the bytes matter.
 - ``smoke``: tiny, for --smoke on the CPU.
@@ -58,11 +70,16 @@ SUBJECT = "expert_parallel"
 PRESETS = {
     "default": dict(layers=4, width=256, heads=4, experts=8, top_k=2, expert_width=128, seq_len=256, batch_size=16),
     "h200": dict(layers=8, width=512, heads=8, experts=32, top_k=2, expert_width=512, seq_len=512, batch_size=32),
+    "h200-shared": dict(layers=8, width=512, heads=8, experts=32, top_k=2, expert_width=512, seq_len=512,
+                        batch_size=32, shared=512),
     "large": dict(layers=4, width=2048, heads=16, experts=16, top_k=2, expert_width=1024, seq_len=1024, batch_size=8),
     "smoke": dict(layers=2, width=64, heads=2, experts=4, top_k=2, expert_width=64, seq_len=32, batch_size=2),
 }
 EP_RANKS = 2
-RUNS = (("1 GPU", 1, False), (f"EP {EP_RANKS}", EP_RANKS, False), (f"EP {EP_RANKS} + MXFP8 dispatch", EP_RANKS, True))
+# (label, ranks, MXFP8 dispatch, dispatch mode)
+RUNS = (("1 GPU", 1, False, "padded"), (f"EP {EP_RANKS}", EP_RANKS, False, "padded"),
+        (f"EP {EP_RANKS} host-splits", EP_RANKS, False, "host-splits"),
+        (f"EP {EP_RANKS} + MXFP8 dispatch", EP_RANKS, True, "padded"))
 # Step-1 loss, EP run against the single-process model on the same global batch (relative).
 # CPU: the ranks' shares are added in another order than the single process's sum (a float32
 # ulp or so). CUDA: the single process runs the 2B sequences in one forward and each rank B,
@@ -74,6 +91,60 @@ RUNS = (("1 GPU", 1, False), (f"EP {EP_RANKS}", EP_RANKS, False), (f"EP {EP_RANK
 STEP1_RTOL = {"cpu": 1e-5, "cuda": 1e-3}
 A2A_KINDS = ("counts", "dispatch", "combine", "combine.grad", "dispatch.grad")
 MB = 1e6
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Total length of (union x) and (union y) overlapping; both sorted and disjoint."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_communication(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """From GPU kernels (name, start, end) in microseconds: the union time of the NCCL
+    all-to-all (SendRecv) kernels and of all NCCL kernels, and the part of each during
+    which no compute (non-NCCL) kernel runs, in microseconds."""
+    comm_all = _union([(a, b) for n, a, b in kernels if "nccl" in n.lower()])
+    a2a = _union([(a, b) for n, a, b in kernels if "nccl" in n.lower() and "sendrecv" in n.lower()])
+    compute = _union([(a, b) for n, a, b in kernels if "nccl" not in n.lower()])
+    return {"a2a_us": _length(a2a), "a2a_exposed_us": _length(a2a) - _intersection(a2a, compute),
+            "nccl_us": _length(comm_all), "nccl_exposed_us": _length(comm_all) - _intersection(comm_all, compute),
+            "compute_us": _length(compute)}
+
+
+def profile_kernels(step, n_steps: int) -> list[tuple[str, float, float]]:
+    """Run ``step()`` n_steps times under torch.profiler (CUDA activity); the CUDA kernels'
+    (name, start us, end us)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_steps):
+            step()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]
 
 
 def _free_port() -> int:
@@ -98,7 +169,8 @@ def worker(args: argparse.Namespace) -> None:
     P = args.ranks
     model_cfg = ModelConfig(d_model=shape["width"], n_layers=shape["layers"], n_heads=shape["heads"],
                             n_experts=shape["experts"], top_k=shape["top_k"], d_expert=shape["expert_width"],
-                            max_seq_len=shape["seq_len"], mx_dispatch=args.mx_dispatch)
+                            max_seq_len=shape["seq_len"], mx_dispatch=args.mx_dispatch,
+                            shared_expert=shape.get("shared", 0))
     cfg = TrainConfig(recipe=args.recipe, batch_size=shape["batch_size"] * P, seq_len=shape["seq_len"],
                       steps=args.warmup + args.steps, warmup_steps=1, progress=False, device=args.device,
                       expert_parallel=P, model=model_cfg)
@@ -113,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
     model = MoETransformer(model_cfg, get_recipe(args.recipe))
     stats = CommStats()
     if P > 1:
-        shard_experts(model, comm_stats=stats)
+        shard_experts(model, comm_stats=stats, dispatch=args.dispatch)
     model = model.to(device)
     loss_step1_global = None
     if P == 1:  # the reference for the EP runs' step-1 loss: this model on their global batch
@@ -158,6 +230,14 @@ def worker(args: argparse.Namespace) -> None:
     if P > 1:
         loss_step1_global = losses[0]
     comm = {k: {kk: vv / args.steps for kk, vv in v.items()} for k, v in stats.summary().items()}
+    exposed = None
+    if device.type == "cuda" and args.profile_steps > 0:
+        gen = torch.Generator().manual_seed(cfg.steps)
+        x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        x, y = rank_slice(x, rank, P).to(device), rank_slice(y, rank, P).to(device)
+        kernels = profile_kernels(lambda: step_fn(x, y, 3e-3), args.profile_steps)
+        exposed = {k: v / args.profile_steps / 1e3 for k, v in exposed_communication(kernels).items()}
+        exposed = {k.replace("_us", "_ms"): v for k, v in exposed.items()}
     med = statistics.median(step_s)
     result = {
         "rank": rank, "ranks": P, "mx_dispatch": args.mx_dispatch, "preset": args.preset, "shape": shape,
@@ -165,7 +245,8 @@ def worker(args: argparse.Namespace) -> None:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "ms_per_step_median": med * 1e3, "ms_per_step_mean": statistics.mean(step_s) * 1e3,
         "tokens_per_step_global": tokens, "tokens_per_s_per_gpu": tokens / P / med,
-        "comm_per_step": comm, "loss_first": losses[0], "loss_last": losses[-1],
+        "comm_per_step": comm, "loss_first": losses[0], "loss_last": losses[-1], "dispatch": args.dispatch,
+        "profiled_per_step": exposed,
         "loss_step1_global": loss_step1_global,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
@@ -181,11 +262,12 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- driver -----------------------------------------------------------------------------
 
-def run_one(args: argparse.Namespace, preset: str, label: str, P: int, mx: bool) -> dict:
-    tag = f"{preset}_{'single' if P == 1 else f'ep{P}'}{'_mx' if mx else ''}"
+def run_one(args: argparse.Namespace, preset: str, label: str, P: int, mx: bool, dispatch: str) -> dict:
+    tag = f"{preset}_{'single' if P == 1 else f'ep{P}'}{'_mx' if mx else ''}{'_host' if dispatch != 'padded' else ''}"
     common = [str(Path(__file__).resolve()), "--worker", "--preset", preset, "--ranks", str(P), "--tag", tag,
               "--work-dir", args.work_dir, "--recipe", args.recipe, "--steps", str(args.steps), "--warmup",
-              str(args.warmup), "--device", args.device] + (["--mx-dispatch"] if mx else []) \
+              str(args.warmup), "--device", args.device, "--dispatch", dispatch,
+              "--profile-steps", str(args.profile_steps)] + (["--mx-dispatch"] if mx else []) \
         + (["--data", args.data] if args.data else [])
     if P == 1:
         cmd = [sys.executable] + common
@@ -213,7 +295,14 @@ def summarize(run: dict) -> dict:
         vals = [sum(r["comm_per_step"].get(k, {}).get(field, 0.0) for k in kinds) for r in ranks]
         return agg(vals)
 
+    prof = [r["profiled_per_step"] for r in ranks if r.get("profiled_per_step")]
+
+    def prof_max(key):
+        return max(p[key] for p in prof) if prof else None
+
     return {
+        "a2a_kernel_ms": prof_max("a2a_ms"), "a2a_exposed_ms": prof_max("a2a_exposed_ms"),
+        "nccl_kernel_ms": prof_max("nccl_ms"), "nccl_exposed_ms": prof_max("nccl_exposed_ms"),
         "label": run["label"], "ranks": P,
         "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in ranks),
         "ms_per_step": max(r["ms_per_step_median"] for r in ranks),
@@ -237,7 +326,7 @@ def driver(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown preset(s) {unknown}; use {', '.join(PRESETS)}")
     report, rows, failed = {}, [], []
     for preset in presets:
-        runs = [summarize(run_one(args, preset, label, P, mx)) for label, P, mx in RUNS]
+        runs = [summarize(run_one(args, preset, label, P, mx, dispatch)) for label, P, mx, dispatch in RUNS]
         base = runs[0]
         rtol = STEP1_RTOL.get(base["device_type"], STEP1_RTOL["cuda"])
         for r in runs[1:]:
@@ -260,6 +349,8 @@ def driver(args: argparse.Namespace) -> int:
                          f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x", f"{r['ms_per_step']:.1f}",
                          cell(r["dispatch_mb"], ".2f"), cell(r["dispatch_ms"], ".2f"), cell(r["a2a_mb"], ".2f"),
                          cell(r["a2a_ms"], ".2f"), cell(r["allreduce_ms"], ".2f"),
+                         harness.fmt(r["a2a_kernel_ms"], ".2f") if ep else "-",
+                         harness.fmt(r["a2a_exposed_ms"], ".2f") if ep else "-",
                          f"{r['loss_step1_global']:.6f}", cell(r.get("loss_step1_rel_diff", 0.0), ".1e")])
             tokens_step = PRESETS[preset]["batch_size"] * PRESETS[preset]["seq_len"]
             rows.append(harness.Row(f"{preset} {r['label']}", f"{tokens_step} tokens per GPU per step",
@@ -268,12 +359,17 @@ def driver(args: argparse.Namespace) -> int:
                                     extra=r))
         print(f"\n### preset {preset}: {PRESETS[preset]}")
         print(harness.format_table(["run", "tokens/s per GPU", "x 1 GPU", "ms/step", "dispatch MB", "dispatch ms",
-                                    "all-to-all MB", "all-to-all ms", "grad all-reduce ms", "step-1 loss, global batch",
+                                    "all-to-all MB", "all-to-all ms", "grad all-reduce ms", "a2a kernels ms",
+                                    "a2a exposed ms", "step-1 loss, global batch",
                                     "rel. diff"], body))
         if runs[1]["dispatch_mb"]:
-            print(f"MXFP8 dispatch sends {runs[2]['dispatch_mb'] / runs[1]['dispatch_mb']:.3f}x the bytes of bf16 "
-                  f"dispatch and takes {runs[2]['dispatch_ms'] / max(runs[1]['dispatch_ms'], 1e-9):.2f}x its time "
+            print(f"MXFP8 dispatch sends {runs[3]['dispatch_mb'] / runs[1]['dispatch_mb']:.3f}x the bytes of bf16 "
+                  f"dispatch and takes {runs[3]['dispatch_ms'] / max(runs[1]['dispatch_ms'], 1e-9):.2f}x its time "
                   f"(per step; forward dispatch only)")
+        for r in runs[1:]:
+            if r["a2a_kernel_ms"]:
+                print(f"{r['label']}: all-to-all kernels {r['a2a_kernel_ms']:.2f} ms per step, exposed (no compute "
+                      f"kernel running) {r['a2a_exposed_ms']:.2f} ms = {r['a2a_exposed_ms'] / r['a2a_kernel_ms']:.0%}")
         print(f"step-1 loss check ({'ok' if check['ok'] else 'FAILED'}): each EP run's step-1 loss (global batch, "
               f"all-reduced) against the 1 GPU model's cross entropy on that batch before step 1, relative "
               f"tolerance {rtol:g}")
@@ -288,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_common_args(p, timing=None)
-    p.add_argument("--presets", default=None, help="comma-separated presets (default: default,large; --quick: default)")
+    p.add_argument("--presets", default=None,
+                   help="comma-separated presets (default: h200,h200-shared; --quick: default)")
     p.add_argument("--recipe", default="mxfp8", help="precision recipe (MXFP8 dispatch needs a quantizing one)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per run (default: 20; --quick: 8; --smoke: 1)")
@@ -302,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tag", default="run", help=argparse.SUPPRESS)
     p.add_argument("--mx-dispatch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dispatch", default="padded", choices=["padded", "host-splits"], help=argparse.SUPPRESS)
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps profiled after the timed ones for the exposed all-to-all time (CUDA; 0: none)")
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -315,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is None:
         args.steps = 8 if args.quick else 20
     if args.presets is None:
-        args.presets = "default" if args.quick else "default,large"
+        args.presets = "default" if args.quick else "h200,h200-shared"
     if args.work_dir is None:
         args.work_dir = tempfile.mkdtemp(prefix="mxmoe_ep_")
     return driver(args)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mxmoe
-from mxmoe.distributed.collectives import AllToAllRows
-from mxmoe.distributed.ep import _MXDispatch, pack_mx_rows
+from mxmoe.distributed.collectives import AllToAllRows, AllToAllStart, AllToAllWait, ExchangeTicket
+from mxmoe.distributed.ep import _CombineExchange, _MXDispatch, pack_mx_rows
 from mxmoe.nn.moe import _Float32Linear
 from mxmoe.ops.autograd import DOUBLE_BACKWARD_ERROR
 from mxmoe.ops.combine import combine_weighted, mx_round_rows
@@ -123,11 +123,36 @@ def case_mx_dispatch(group):
             (lambda: _ste(x, fake_quantize_operand(x.detach(), MX, dim=1, out_dtype=x.dtype))), [x])
 
 
+def case_overlapped_all_to_all(group):
+    x = _leaf(5, 8)
+
+    def call():
+        ticket = ExchangeTicket()
+        return AllToAllWait.apply(AllToAllStart.apply(x, [5], [5], group, None, "rows", ticket), ticket)
+
+    return call, (lambda: x * 1), [x]
+
+
+def case_mx_combine_gradient(group):
+    """Identity forward; the gradient rounded to MXFP8 rows, straight through."""
+    x = _leaf(5, 64)
+
+    def ref():
+        y = x * 1
+        y.register_hook(lambda g: _ste(g, fake_quantize_operand(g.detach(), MX, dim=1, out_dtype=g.dtype)))
+        return y
+
+    return (lambda: _CombineExchange.apply(x, [5], [5], group, None, MX)), ref, [x]
+
+
 SUPPORTED = {
     "mxmoe.nn.moe._Float32Linear": case_float32_linear,
     "mxmoe.ops.combine._MXRoundRows": case_round_rows,
     "mxmoe.distributed.collectives.AllToAllRows": case_all_to_all,
     "mxmoe.distributed.ep._MXDispatch": case_mx_dispatch,
+    "mxmoe.distributed.collectives.AllToAllStart": case_overlapped_all_to_all,
+    "mxmoe.distributed.collectives.AllToAllWait": case_overlapped_all_to_all,
+    "mxmoe.distributed.ep._CombineExchange": case_mx_combine_gradient,
 }
 
 

@@ -181,9 +181,11 @@ def test_mx_dispatch_forward_is_the_plain_mxfp8_forward(group, case):
 
 def test_mx_dispatch_sends_codes_and_scales(group):
     """Bytes of the forward dispatch: D_pad codes + D_pad / 32 scales per row against 2 D
-    for bf16 (D = 40 here: 66 against 80 bytes)."""
-    _, results = group
-    rows = 37 * 2  # tokens per rank x top-k
+    for bf16 (D = 40 here: 66 against 80 bytes). The padded dispatch (the default) sends
+    P buffers of C = T * min(k, L) rows (tests/distributed/test_ep_dispatch.py checks the
+    host-splits dispatch's exact row count)."""
+    P, results = group
+    rows = P * 37 * min(2, 8 // P)  # P buffers of C = tokens per rank x min(top-k, experts per rank)
     for res in results:
         layer = res["layer"]
         assert layer["mx_row_bytes"] == 64 + 2

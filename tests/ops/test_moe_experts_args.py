@@ -44,3 +44,29 @@ def test_good_shapes_run():
     y = mx_moe_experts(x, src, torch.tensor([4, 8], dtype=torch.int32), torch.randn(E, 2 * F, D) * 0.1,
                        torch.randn(E, D, F) * 0.1, MX)
     assert y.shape == (T * k, D)
+
+
+def test_unrouted_tail_rows_do_not_change_the_routed_rows():
+    """``unrouted_tail=True`` (the padded expert-parallel receive buffer): rows past
+    offsets[-1] belong to no expert. The routed rows' outputs and every gradient equal the
+    op run on the routed rows alone, bit for bit; without the flag the CPU check refuses."""
+    torch.manual_seed(0)
+    E, D, F, R, pad = 3, 64, 32, 20, 12
+    w13 = torch.randn(E, 2 * F, D, requires_grad=True)
+    w2 = torch.randn(E, D, F, requires_grad=True)
+    x = torch.randn(R + pad, D).to(torch.bfloat16)
+    offsets = torch.tensor([7, 7, R], dtype=torch.int32)  # an empty expert in the middle
+    src = torch.cat([torch.randperm(R), torch.arange(R, R + pad)])  # routed rows first, then the tail
+    dy = torch.randn(R, D).to(torch.bfloat16)
+    outs = []
+    for rows, tail in ((x, True), (x[:R], False)):
+        xi = rows.clone().requires_grad_()
+        s = src if tail else src[:R]
+        y = mx_moe_experts(xi, s, offsets, w13, w2, "mxfp8", unrouted_tail=tail)[:R]
+        w13.grad = w2.grad = None
+        (y.float() * dy.float()).sum().backward()
+        outs.append((y.detach(), xi.grad[:R], w13.grad.clone(), w2.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="offsets"):
+        mx_moe_experts(x, src, offsets, w13, w2, "mxfp8")

@@ -3,16 +3,16 @@
 Legend of shape suffixes: T this rank's tokens, D model width, E experts (all ranks),
 P ranks in the expert-parallel group, L = E / P experts held by this rank, k top-k,
 A = T * k this rank's routed assignments, R rows this rank's experts receive, B bytes per
-row of the MXFP8 wire format.
+row of the MXFP8 wire format, C the capacity (rows per source-destination rank pair) of
+the padded dispatch.
 
 One forward of :class:`ExpertParallelMoELayer` on every rank of the group:
 
     x_TD --router (replicated, float32)--> top-k experts, weights
          --sort assignments by expert--> x_AD rows, grouped by destination rank (expert e
            lives on rank e // L)
-    1. counts: all_gather of every rank's (E,) assignment counts -> (P, E) on the host
-       (the one host sync of the layer: all-to-all split sizes must be host ints); it
-       also gives the global counts the load-balancing loss needs
+    1. counts: all_gather of every rank's (E,) assignment counts -> (P, E); it also gives
+       the global counts the load-balancing loss needs
     2. dispatch: all_to_all of the rows (bf16, or MXFP8 codes + scales, below)
          -> x_RD in source-major order [src 0: expert l0, l1, ..; src 1: l0, l1, ..]
          -> re-sorted expert-major [l0: src 0, src 1, ..; l1: ..]: expert l's rows in global
@@ -21,11 +21,35 @@ One forward of :class:`ExpertParallelMoELayer` on every rank of the group:
     3. local SwiGLU experts: mx_grouped_mm over the L local experts (the recipe acts here)
     4. combine: back to source-major, the reverse all_to_all, unpermute, weight, sum over k
 
+Two ways to size the exchanges (:class:`DispatchMode`, one rule: ``padded`` unless
+``host-splits`` is asked for):
+
+- ``padded`` (default): no host synchronization. The (P, E) counts stay on the device.
+  Every rank sends each other rank a buffer of exactly C rows (all_to_all_single with equal
+  splits, sizes known from shapes); rows beyond a pair's count are zero padding, and the
+  receiver finds its valid rows, their local experts and the expert-major order from the
+  device counts (:func:`receive_plan`). The layer can be captured in a CUDA graph. The
+  capacity rule (:func:`dispatch_capacity`): by default C = T * min(k, L), the most rows
+  one rank can route to another (each token's k experts are distinct and a rank holds L of
+  them), so nothing is ever dropped and the layer is exact; the price is bytes: P C rows
+  per exchange against the A = T k rows that are real, a factor P min(k, L) / k (2 at
+  P = 2, k = 2). ``capacity_factor`` = f bounds C by ceil(f T k / P): rows of a
+  (source, destination) pair past C are dropped (the last ones of the source's
+  expert-sorted segment: the highest local expert, the latest tokens), contribute zero
+  to their token's output, and are counted on the device (``last_dropped_rows``, global,
+  the same on every rank). A run with drops is a capacity-factor MoE, not the dropless
+  layer: it equals one process only where nothing is dropped.
+- ``host-splits``: the counts are read back to the host (one sync per layer) and the
+  all-to-alls carry exactly the routed rows (no padding, never a drop); eager only.
+
 Backward runs through both exchanges (:class:`~mxmoe.distributed.collectives.AllToAllRows`:
 the backward of an all-to-all is the reverse all-to-all). Every step is a permutation or a
 per-row operation, so the layer is deterministic, and each expert's forward, dgrad and
 wgrad GEMMs see the same rows in the same order as in one process: expert weight
-gradients equal the single-process ones bit for bit when the upstream gradients do.
+gradients equal the single-process ones bit for bit when the upstream gradients do. The
+padded dispatch hands the experts the valid rows first, then the padding past the last
+expert's offset, which no GEMM reads (:func:`~mxmoe.ops.moe_experts.mx_moe_experts` with
+``unrouted_tail``; :func:`~mxmoe.ops.mx_grouped_mm` leaves those rows zero).
 
 Losses (shares): every rank returns its share of the load-balancing and z losses, with
 the global token count and the global per-expert fractions f_e, so that the shares of
@@ -51,17 +75,28 @@ back in the activation dtype.
 
 from __future__ import annotations
 
+import enum
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused
+from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused, tokens_per_expert
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import Recipe
-from .collectives import AllToAllRows, CommStats, all_to_all_rows
+from .collectives import (
+    AllToAllRows,
+    AllToAllStart,
+    AllToAllWait,
+    CommStats,
+    ExchangeTicket,
+    all_to_all_rows,
+    gather_counts,
+)
 
 # element formats the MXFP8 wire format carries: one byte per element, viewable as uint8
 WIRE_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
@@ -126,19 +161,48 @@ class _MXDispatch(torch.autograd.Function):
     """Forward: all-to-all of packed MXFP8 rows, dequantized on arrival. Backward: the
     reverse all-to-all of the gradient rows in the activation dtype (straight through the
     rounding, as :func:`mxmoe.nn.moe.mx_round_rows`), an :class:`AllToAllRows`: differentiable
-    again (double backward is supported)."""
+    again (double backward is supported). ``kind`` labels the exchange in ``stats``
+    (default "dispatch"; its gradient "<kind>.grad")."""
 
     @staticmethod
     def forward(ctx, x_AD: Tensor, packed_AB: Tensor, d_model: int, recipe: Recipe, recv_splits, send_splits,
-                group, stats):
-        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats = recv_splits, send_splits, group, stats
-        recv_RB = all_to_all_rows(packed_AB, recv_splits, send_splits, group, stats, "dispatch")
+                group, stats, kind: str = "dispatch"):
+        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.kind = recv_splits, send_splits, group, stats, kind
+        ctx.n_inputs = 9 if kind != "dispatch" else 8  # apply's arguments (kind is optional)
+        recv_RB = all_to_all_rows(packed_AB, recv_splits, send_splits, group, stats, kind)
         return unpack_mx_rows(recv_RB, d_model, recipe, x_AD.dtype)
 
     @staticmethod
     def backward(ctx, dx_RD: Tensor):
-        dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, "dispatch.grad")
-        return dx_AD, None, None, None, None, None, None, None
+        dx_AD = AllToAllRows.apply(dx_RD, ctx.send_splits, ctx.recv_splits, ctx.group, ctx.stats, ctx.kind + ".grad")
+        return (dx_AD,) + (None,) * (ctx.n_inputs - 1)
+
+
+class _CombineExchange(torch.autograd.Function):
+    """The combine all-to-all (expert outputs back to their source ranks) whose backward
+    sends the output gradients to the expert ranks as MXFP8 rows (codes + scales along D,
+    the recipe's format, scale rule and block size), dequantized on arrival: an
+    :class:`_MXDispatch` of the gradient (straight through the rounding, so differentiable
+    again).
+
+    Exact only where the expert rank reads those gradients solely through the w2 dgrad
+    GEMM, which quantizes them along D with the same blocks (re-quantizing MX values gives
+    them back): when w2 takes no gradient. The w2 wgrad GEMM quantizes the same gradients
+    along tokens, in blocks of 32 rows of one expert that mix source ranks, and needs
+    their unrounded values (:class:`ExpertParallelMoELayer` decides).
+    """
+
+    @staticmethod
+    def forward(ctx, y_NC: Tensor, recv_splits, send_splits, group, stats, recipe: Recipe) -> Tensor:
+        ctx.recv_splits, ctx.send_splits, ctx.group, ctx.stats, ctx.recipe = recv_splits, send_splits, group, stats, recipe
+        return all_to_all_rows(y_NC, recv_splits, send_splits, group, stats, "combine")
+
+    @staticmethod
+    def backward(ctx, dy_NC: Tensor):
+        packed = pack_mx_rows(dy_NC, ctx.recipe)
+        dy = _MXDispatch.apply(dy_NC, packed, dy_NC.shape[1], ctx.recipe, ctx.send_splits, ctx.recv_splits, ctx.group,
+                               ctx.stats, "combine.grad")
+        return dy, None, None, None, None, None
 
 
 def expert_major_order(recv_counts_PL: Tensor) -> Tensor:
@@ -162,6 +226,130 @@ def expert_major_order(recv_counts_PL: Tensor) -> Tensor:
     return starts_LP[block_R] + (torch.arange(R) - first_R)
 
 
+class DispatchMode(str, enum.Enum):
+    """How the expert-parallel layer sizes its all-to-alls (module docstring).
+
+    PADDED: fixed capacity per rank pair, counts kept on the device (no host sync; CUDA
+    graph capturable). HOST_SPLITS: exact split sizes read back to the host once per layer.
+    """
+
+    PADDED = "padded"
+    HOST_SPLITS = "host-splits"
+
+
+def dispatch_capacity(tokens: int, top_k: int, n_local: int, world_size: int,
+                      capacity_factor: float | None = None) -> int:
+    """Rows C that one rank sends to (and receives from) each rank in the padded dispatch.
+
+    Args:
+        tokens: T, this rank's tokens (the same on every rank). top_k: k. n_local: L,
+            experts per rank. world_size: P.
+        capacity_factor: None: the worst case T * min(k, L) (a token's k experts are
+            distinct, so at most min(k, L) of its rows go to one rank): nothing can be
+            dropped. f > 0: min(worst case, ceil(f * T * k / P)), f = 1 being the rows of a
+            perfectly balanced routing.
+
+    Returns:
+        C >= 0 (0 only for T = 0).
+
+    Raises:
+        ValueError: a capacity factor that is not a positive finite number.
+    """
+    worst = tokens * min(top_k, n_local)
+    if capacity_factor is None:
+        return worst
+    return min(worst, math.ceil(capacity_factor * tokens * top_k / world_size))
+
+
+def _check_capacity_factor(capacity_factor) -> None:
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not math.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be a positive number (rows per rank pair relative to a balanced "
+                         f"routing, e.g. 1.25) or None (worst case: never drops), got {capacity_factor!r}")
+
+
+def send_plan(counts_PE: Tensor, rank: int, n_local: int, capacity: int, experts_sorted_A: Tensor
+              ) -> tuple[Tensor, Tensor]:
+    """Where each of this rank's expert-sorted rows goes in the padded send buffer.
+
+    Args:
+        counts_PE: (P, E) int64, every rank's assignment counts (device).
+        rank: this rank. n_local: L. capacity: C.
+        experts_sorted_A: (A,) int64 expert of each assignment, sorted (stable).
+
+    Returns:
+        ``(target_A, kept_A)``: (A,) int64 buffer row of each sorted row, destination
+        j's rows at j * C + (its index among the rows to j); a row whose index is >= C is
+        dropped and gets row P * C + a instead (a dump region the caller appends and
+        discards, so that every target is distinct); (A,) bool kept.
+    """
+    P = counts_PE.shape[0]
+    A = experts_sorted_A.numel()
+    send_P = counts_PE[rank].view(P, n_local).sum(dim=1)
+    start_P = torch.cumsum(send_P, 0) - send_P
+    dest_A = experts_sorted_A // n_local
+    rows_A = torch.arange(A, device=experts_sorted_A.device)
+    c_A = rows_A - start_P[dest_A]
+    kept_A = c_A < capacity
+    return torch.where(kept_A, dest_A * capacity + c_A, P * capacity + rows_A), kept_A
+
+
+def receive_plan(counts_PE: Tensor, rank: int, n_local: int, capacity: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The receiver's view of a padded buffer of P * C rows (source s's rows at s*C ..):
+    which rows are valid, and the permutation to expert-major order, from the device
+    counts alone (no host read; shapes depend only on P and C).
+
+    Source s sends its rows for this rank's experts sorted by local expert (then token),
+    the first C of them (:func:`send_plan`), so row s*C + c is valid for
+    c < min(C, rows s routes here).
+
+    Args:
+        counts_PE: (P, E) int64 every rank's assignment counts. rank, n_local (L),
+            capacity (C): as :func:`send_plan`.
+
+    Returns:
+        ``(src_N, out_row_N, valid_N, offsets_L)`` with N = P * C: src_N (N,) int64, the
+        buffer row of each expert-major row (valid rows first, [l0: src 0, src 1, ..;
+        l1: ..], then the padding rows in buffer order; a permutation of range(N));
+        out_row_N its inverse (the expert-major row of each buffer row); valid_N (N,)
+        bool per buffer row; offsets_L (L,) int32 cumulative expert ends (offsets[-1] =
+        valid rows).
+    """
+    P = counts_PE.shape[0]
+    device = counts_PE.device
+    lo = rank * n_local
+    want_PL = counts_PE[:, lo:lo + n_local]
+    end_PL = torch.cumsum(want_PL, 1)
+    kept_end_PL = end_PL.clamp_max(capacity)  # the first C rows of each source's segment are sent
+    kept_start_PL = (end_PL - want_PL).clamp_max(capacity)
+    kept_PL = kept_end_PL - kept_start_PL
+    c_PC = torch.arange(capacity, device=device).expand(P, capacity).contiguous()
+    valid_PC = c_PC < kept_end_PL[:, -1:]
+    l_PC = torch.searchsorted(kept_end_PL.contiguous(), c_PC, right=True).clamp_max(n_local - 1)
+    i_PC = c_PC - kept_start_PL.gather(1, l_PC)  # index within its (source, expert) block
+    per_expert_L = kept_PL.sum(dim=0)
+    expert_start_L = torch.cumsum(per_expert_L, 0) - per_expert_L
+    before_PL = torch.cumsum(kept_PL, 0) - kept_PL  # rows of earlier sources for the same expert
+    out_valid_PC = expert_start_L[l_PC] + before_PL.gather(1, l_PC) + i_PC
+    valid_N = valid_PC.reshape(-1)
+    invalid_N = (~valid_N).to(torch.int64)
+    out_row_N = torch.where(valid_N, out_valid_PC.reshape(-1), per_expert_L.sum() + torch.cumsum(invalid_N, 0) - 1)
+    N = P * capacity
+    src_N = torch.empty_like(out_row_N).scatter_(0, out_row_N, torch.arange(N, device=device))
+    return src_N, out_row_N, valid_N, torch.cumsum(per_expert_L, 0).to(torch.int32)
+
+
+def dropped_rows(counts_PE: Tensor, n_local: int, capacity: int) -> Tensor:
+    """(scalar int64, device) rows dropped by the padded dispatch over all rank pairs: the
+    sum over (source s, destination j) of max(0, rows s routes to j - C)."""
+    P = counts_PE.shape[0]
+    pair_PP = counts_PE.view(P, P, n_local).sum(dim=2)
+    return (pair_PP - capacity).clamp_min(0).sum()
+
+
 class ExpertParallelMoELayer(nn.Module):
     """A :class:`~mxmoe.nn.moe.MoELayer` whose experts are split over the ranks of ``group``.
 
@@ -180,20 +368,61 @@ class ExpertParallelMoELayer(nn.Module):
         mx_dispatch: send the dispatched rows as MXFP8 (default: ``layer.mx_dispatch``).
         comm_stats: optional :class:`~mxmoe.distributed.collectives.CommStats` recording
             every collective of this layer (bytes, time).
+        dispatch: :class:`DispatchMode` or its value: ``"padded"`` (default, no host
+            sync) or ``"host-splits"`` (module docstring).
+        capacity_factor: padded dispatch only: None (default) sizes the buffers for the
+            worst case, never dropping; f > 0 bounds them (:func:`dispatch_capacity`) and
+            drops the overflow, counted in ``last_dropped_rows``.
+        mx_backward: send backward exchanges as MXFP8 where that is exact: the combine's
+            gradient (to the expert ranks) while this layer's ``experts.w2`` takes no
+            gradient (frozen experts' down projection: its rows then feed only the w2
+            dgrad GEMM, which quantizes them along D anyway). Otherwise, and always for
+            the dispatch's gradient (summed over k into the residual stream, unquantized
+            in one process), the backward travels in the activation dtype.
+            ``last_mx_backward`` says whether the last forward's backward will.
+        overlap: run the shared expert (if the layer has one) while the combine's rows
+            are in flight: the combine is issued with ``async_op=True``, the shared
+            expert's forward runs, then the layer waits; in the backward the combine's
+            gradient exchange is issued, the shared expert's backward runs, then the
+            layer waits (:class:`~mxmoe.distributed.collectives.AllToAllStart`). The same
+            operations on the same values, so the results are unchanged. Off with
+            ``mx_backward`` in effect (that exchange packs its gradient). ``last_overlapped``
+            says whether the last forward did.
 
     Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
     ranks is the single-process value for the whole batch, see the module docstring) and
-    ``tokens_per_expert`` counts the whole batch's assignments (E,) over all ranks.
+    ``tokens_per_expert`` counts the whole batch's assignments (E,) over all ranks. Under the
+    padded dispatch every rank must pass the same number of tokens (the buffer size C is
+    computed from it on each rank). After each forward, ``last_dropped_rows`` holds the
+    rows dropped over the whole group (int64 scalar on the device; always 0 for the
+    host-splits dispatch and for the default capacity).
 
     Raises:
         ValueError: E not divisible by the group size; ``mx_dispatch`` with a recipe that
-            does not quantize to an FP8 format.
+            does not quantize to an FP8 format; an unknown dispatch mode; a capacity
+            factor that is not positive, or one given with the host-splits dispatch.
     """
 
     def __init__(self, layer: MoELayer, group=None, mx_dispatch: bool | None = None,
-                 comm_stats: CommStats | None = None):
+                 comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
+                 capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True):
         super().__init__()
+        self.overlap = bool(overlap)
+        self.last_overlapped: bool | None = None
+        if mx_backward:
+            _check_wire_recipe(layer.recipe)
+        self.mx_backward = mx_backward
+        self.last_mx_backward: bool | None = None
+        try:
+            self.dispatch = DispatchMode(dispatch)
+        except ValueError:
+            raise ValueError(f"dispatch must be one of {[m.value for m in DispatchMode]}, got {dispatch!r}") from None
+        _check_capacity_factor(capacity_factor)
+        if capacity_factor is not None and self.dispatch is DispatchMode.HOST_SPLITS:
+            raise ValueError("capacity_factor applies to the padded dispatch; the host-splits dispatch sends exactly "
+                             "the routed rows (pass capacity_factor=None)")
+        self.capacity_factor = capacity_factor
         P, rank = dist.get_world_size(group), dist.get_rank(group)
         E = layer.n_experts
         if E % P:
@@ -210,10 +439,11 @@ class ExpertParallelMoELayer(nn.Module):
         lo, hi = rank * self.n_local, (rank + 1) * self.n_local
         with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
             self.experts = SwiGLUExperts(self.n_local, w13.shape[2], w2.shape[2], 1)
-        self.experts.w13 = nn.Parameter(w13.detach()[lo:hi].clone())
-        self.experts.w2 = nn.Parameter(w2.detach()[lo:hi].clone())
+        self.experts.w13 = nn.Parameter(w13.detach()[lo:hi].clone(), requires_grad=w13.requires_grad)
+        self.experts.w2 = nn.Parameter(w2.detach()[lo:hi].clone(), requires_grad=w2.requires_grad)
         self.comm_stats = comm_stats
         self.last_tokens_per_expert: Tensor | None = None
+        self.last_dropped_rows: Tensor | None = None
         self.last_ran_fused: bool | None = None  # whether the last forward ran the fused op (runs_fused)
 
     @property
@@ -239,10 +469,102 @@ class ExpertParallelMoELayer(nn.Module):
         rank must call it (collectives); the module docstring has the data flow."""
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
-        T, D = x_TD.shape
-        k, E, L, P, device = self.top_k, self.n_experts, self.n_local, self.world_size, x.device
         r = self.router(x_TD)
-        experts_A = r.experts_Tk.reshape(-1)
+        shared = None if self.shared is None else (lambda: self.shared(x_TD, self.recipe))
+        route = self._routed_padded if self.dispatch is DispatchMode.PADDED else self._routed_host_splits
+        y_TD, y_shared_TD, counts_global_E, tokens_global, fused = route(x_TD, r.experts_Tk, r.weights_Tk, shared)
+        if y_shared_TD is not None:
+            y_TD = y_TD + y_shared_TD
+        self.last_tokens_per_expert = counts_global_E
+        self.last_ran_fused = fused  # set once the forward has run
+        aux_share, z_share = self._loss_shares(r.probs_TE, r.logits_TE, counts_global_E, tokens_global)
+        return y_TD.reshape(shape), MoEAux(aux_share, z_share, counts_global_E)
+
+    def _dispatch_rows(self, x_TD: Tensor, order_A: Tensor, x_sorted_AD: Tensor, recv_splits, send_splits,
+                       send_index_A: Tensor | None = None, send_rows: int = 0) -> Tensor:
+        """The dispatch exchange: rows x_sorted_AD (bf16) or, with ``mx_dispatch``, their
+        MXFP8 packing, placed in a send buffer of ``send_rows`` rows at ``send_index_A``
+        (padded dispatch; None: the rows as they are)."""
+        k, D = self.top_k, x_TD.shape[1]
+
+        def place(rows_AC: Tensor) -> Tensor:
+            if send_index_A is None:
+                return rows_AC
+            buf = rows_AC.new_zeros((send_rows + rows_AC.shape[0], rows_AC.shape[1]))
+            return buf.index_copy(0, send_index_A, rows_AC)[:send_rows]
+
+        x_send = place(x_sorted_AD)
+        if self.mx_dispatch:  # quantize the T token rows once, then route their bytes
+            packed_AB = place(pack_mx_rows(x_TD, self.recipe).index_select(0, order_A // k))
+            return _MXDispatch.apply(x_send, packed_AB, D, self.recipe, recv_splits, send_splits, self.group,
+                                     self.comm_stats)
+        return AllToAllRows.apply(x_send, recv_splits, send_splits, self.group, self.comm_stats, "dispatch")
+
+    def _combine_exchange(self, y_NC: Tensor, recv_splits, send_splits, during=None) -> tuple[Tensor, Tensor | None]:
+        """The combine all-to-all; its backward in MXFP8 where exact (``mx_backward``).
+        ``during`` (the shared expert, or None) runs while the rows are in flight, forward
+        and backward, where ``overlap`` is on and the exchange is not MXFP8; returns
+        (received rows, ``during()`` or None)."""
+        mx = self.mx_backward and torch.is_grad_enabled() and not self.experts.w2.requires_grad
+        self.last_mx_backward = mx
+        self.last_overlapped = bool(self.overlap and during is not None and not mx)
+        if self.last_overlapped:
+            ticket = ExchangeTicket()
+            out = AllToAllStart.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine", ticket)
+            extra = during()  # independent of the exchange: overlaps it (and its gradient, backward)
+            return AllToAllWait.apply(out, ticket), extra
+        if mx:
+            out = _CombineExchange.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, self.recipe)
+        else:
+            out = AllToAllRows.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine")
+        return out, (during() if during is not None else None)
+
+    def _local_experts(self, x_RD: Tensor, src_R: Tensor, offsets_L: Tensor, unrouted_tail: bool
+                       ) -> tuple[Tensor, bool]:
+        """The L local experts on the rows x_RD[src_R] (expert-major); returns their outputs
+        in expert-major order and whether the fused op ran."""
+        fused = runs_fused(self.fused, self.recipe, x_RD)
+        if fused:
+            return mx_moe_experts(x_RD, src_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe,
+                                  unrouted_tail=unrouted_tail), True
+        return self.experts(x_RD.index_select(0, src_R), offsets_L, self.recipe), False
+
+    def _routed_padded(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
+                       ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, bool]:
+        """Dispatch, experts and combine with fixed-size buffers (no host sync). Returns
+        (y_TD without the shared expert, the shared expert's output (``shared()``, run
+        during the combine) or None, global counts (E,), global tokens (device scalar),
+        fused)."""
+        T, D = x_TD.shape
+        k, E, L, P = self.top_k, self.n_experts, self.n_local, self.world_size
+        experts_A = experts_Tk.reshape(-1)
+        order_A = torch.argsort(experts_A, stable=True)
+        counts_PE = gather_counts(tokens_per_expert(experts_A, E), self.group, self.comm_stats)
+        counts_global_E = counts_PE.sum(dim=0)
+        C = dispatch_capacity(T, k, L, P, self.capacity_factor)
+        N = P * C
+        splits = [C] * P
+        target_A, _ = send_plan(counts_PE, self.rank, L, C, experts_A.index_select(0, order_A))
+        self.last_dropped_rows = dropped_rows(counts_PE, L, C)
+        x_sorted_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D).index_select(0, order_A)
+        x_ND = self._dispatch_rows(x_TD, order_A, x_sorted_AD, splits, splits, target_A, N)
+        src_N, out_row_N, valid_N, offsets_L = receive_plan(counts_PE, self.rank, L, C)
+        y_local_ND, fused = self._local_experts(x_ND, src_N, offsets_L, unrouted_tail=True)
+        # back to buffer order; the padding rows (unspecified on the fused path) become zeros
+        y_ND = torch.where(valid_N.unsqueeze(1), y_local_ND.index_select(0, out_row_N), 0.0)
+        y_back_ND, y_shared_TD = self._combine_exchange(y_ND, splits, splits, shared)
+        y_back = torch.cat([y_back_ND, y_back_ND.new_zeros(T * k, D)])  # dropped rows read zeros
+        y_sorted_AD = y_back.index_select(0, target_A)
+        y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
+        return y_TD, y_shared_TD, counts_global_E, counts_global_E.sum() // k, fused
+
+    def _routed_host_splits(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
+                            ) -> tuple[Tensor, Tensor | None, Tensor, int, bool]:
+        """Dispatch, experts and combine with exact split sizes read on the host (returns
+        as :meth:`_routed_padded`, the global tokens a host int)."""
+        T, D = x_TD.shape
+        k, E, L, P, device = self.top_k, self.n_experts, self.n_local, self.world_size, x_TD.device
+        experts_A = experts_Tk.reshape(-1)
         order_A = torch.argsort(experts_A, stable=True)
         counts_E = torch.bincount(experts_A, minlength=E)
         # 1. counts of every rank -> split sizes (host ints) and global counts
@@ -253,42 +575,36 @@ class ExpertParallelMoELayer(nn.Module):
         recv_splits = recv_counts_PL.sum(dim=1).tolist()
         counts_global_E = counts_PE.sum(dim=0)
         tokens_global = int(counts_global_E.sum()) // k
+        self.last_dropped_rows = torch.zeros((), dtype=torch.int64, device=device)
         # 2. dispatch (rows sorted by expert = grouped by destination rank, rank order)
-        x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
-        x_sorted_AD = x_AD.index_select(0, order_A)
-        if self.mx_dispatch:  # quantize the T token rows once, then route their bytes
-            packed_AB = pack_mx_rows(x_TD, self.recipe).index_select(0, order_A // k)
-            x_RD = _MXDispatch.apply(x_sorted_AD, packed_AB, D, self.recipe, recv_splits, send_splits, self.group,
-                                     self.comm_stats)
-        else:
-            x_RD = AllToAllRows.apply(x_sorted_AD, recv_splits, send_splits, self.group, self.comm_stats, "dispatch")
+        x_sorted_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D).index_select(0, order_A)
+        x_RD = self._dispatch_rows(x_TD, order_A, x_sorted_AD, recv_splits, send_splits)
         perm_R = expert_major_order(recv_counts_PL).to(device, non_blocking=True)
         offsets_L = torch.cumsum(recv_counts_PL.sum(dim=0), 0).to(device=device, dtype=torch.int32)
         # 3. local experts, rows in (local expert, global token) order (the same rows in the
         # same order as the single-process layer's experts see)
-        fused = runs_fused(self.fused, self.recipe, x_RD)
-        if fused:
-            y_local_RD = mx_moe_experts(x_RD, perm_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe)
-        else:
-            y_local_RD = self.experts(x_RD.index_select(0, perm_R), offsets_L, self.recipe)
+        y_local_RD, fused = self._local_experts(x_RD, perm_R, offsets_L, unrouted_tail=False)
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
-        y_sorted_AD = AllToAllRows.apply(y_RD, send_splits, recv_splits, self.group, self.comm_stats, "combine")
-        y_TD = combine_weighted(y_sorted_AD, order_A, r.weights_Tk, self.recipe if fused else None)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD, self.recipe)
-        self.last_tokens_per_expert = counts_global_E.to(device)
-        self.last_ran_fused = fused  # set once the forward has run
-        aux_share, z_share = self._loss_shares(r.probs_TE, r.logits_TE, self.last_tokens_per_expert, tokens_global)
-        return y_TD.reshape(shape), MoEAux(aux_share, z_share, self.last_tokens_per_expert)
+        y_sorted_AD, y_shared_TD = self._combine_exchange(y_RD, send_splits, recv_splits, shared)
+        y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
+        return y_TD, y_shared_TD, counts_global_E.to(device), tokens_global, fused
 
     def _loss_shares(self, probs_TE: Tensor, logits_TE: Tensor, counts_global_E: Tensor,
-                     tokens_global: int) -> tuple[Tensor, Tensor]:
+                     tokens_global: int | Tensor) -> tuple[Tensor, Tensor]:
         """This rank's shares of the load-balancing loss E * sum_e f_e * P_e and of the
         z-loss mean_t lse_t^2, both over the whole batch (``load_balancing_loss`` and
         ``router_z_loss`` of :mod:`mxmoe.nn.moe`): f_e from the global counts, P_e and
         the z-loss with sums over this rank's tokens divided by the global token count.
-        The operations mirror the single-process ones so the gradients match bit for bit."""
+        The operations mirror the single-process ones so the gradients match bit for bit.
+        ``tokens_global`` is a host int (host-splits) or an int64 device scalar (padded:
+        divided as float32, the same correctly rounded quotient, no host read)."""
+        if isinstance(tokens_global, Tensor):
+            tg = tokens_global.clamp_min(1).to(probs_TE.dtype)  # 0 tokens: the sums are 0 too
+            f_E = counts_global_E.to(probs_TE.dtype) / (tg * self.top_k)
+            aux = self.n_experts * torch.sum(f_E * (probs_TE.sum(dim=0) / tg))
+            z = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() / tg
+            return aux, z
         if tokens_global == 0:
             zero = probs_TE.new_zeros(())
             return zero, zero
@@ -299,12 +615,15 @@ class ExpertParallelMoELayer(nn.Module):
 
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
-                  comm_stats: CommStats | None = None) -> list[ExpertParallelMoELayer]:
+                  comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
+                  capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True
+                  ) -> list[ExpertParallelMoELayer]:
     """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
     Build ``model`` identically on every rank first (same seed), so that the replicated
-    parameters agree and the experts are those of the single-process model.
+    parameters agree and the experts are those of the single-process model. ``dispatch``
+    and ``capacity_factor`` as :class:`ExpertParallelMoELayer`.
 
     Returns:
         The new layers, in module order.
@@ -316,7 +635,8 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
-                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats)
+                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, dispatch, capacity_factor,
+                                            mx_backward, overlap)
                 setattr(module, child_name, ep)
                 layers.append(ep)
     return layers

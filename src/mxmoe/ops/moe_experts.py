@@ -220,12 +220,14 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
 
 
 @torch.compiler.disable
-def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe) -> Tensor:
+def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe,
+           unrouted_tail: bool = False) -> Tensor:
     """The routing preconditions on the CPU (free there; on CUDA reading them back would
     sync), then the op. Eager under torch.compile (the note at
     ``mxmoe.ops.grouped_mm._apply``), so the checks hold there too."""
     T, A = x_TD.shape[0], src_A.numel()
-    check_offsets_values(offsets_E, A, "mx_moe_experts", exact=True)  # every row belongs to an expert
+    # every row belongs to an expert, unless the caller declared an unrouted tail
+    check_offsets_values(offsets_E, A, "mx_moe_experts", exact=not unrouted_tail)
     if x_TD.device.type == "cpu" and A:
         k = A // T
         low, high = int(src_A.min()), int(src_A.max())
@@ -237,7 +239,7 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
 
 
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
-                   recipe: Recipe | str) -> Tensor:
+                   recipe: Recipe | str, unrouted_tail: bool = False) -> Tensor:
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
 
     Args:
@@ -249,6 +251,10 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
             skip zeroing rows past the end; the contract in :mod:`mxmoe.ops.offsets`).
         w13_E2FD: (E, 2F, D) [gate; up] weights. w2_EDF: (E, D, F), the same E, D and F.
         recipe: a :class:`~mxmoe.recipe.Recipe` or its name, for which :func:`supports_fused_experts` holds.
+        unrouted_tail: allow offsets[-1] < A: rows past offsets[-1] belong to no expert
+            (the padding of a fixed-size expert-parallel receive buffer). Their outputs and
+            their input gradients are unspecified (not computed, not zeroed): the caller
+            must not read them. No GEMM or wgrad quantizer reads them.
 
     Returns:
         (A, D) in x's dtype: expert outputs of the sorted rows.
@@ -299,4 +305,4 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         raise ValueError(f"x, src_A, offsets, w13 and w2 must be on one device, got x on {x_TD.device}, src_A on "
                          f"{src_A.device}, offsets on {offsets_E.device}, w13 on {w13_E2FD.device}, w2 on "
                          f"{w2_EDF.device}")
-    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
+    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe, unrouted_tail)
