@@ -180,6 +180,11 @@ class ExpertParallelMoELayer(nn.Module):
         mx_dispatch: send the dispatched rows as MXFP8 (default: ``layer.mx_dispatch``).
         comm_stats: optional :class:`~mxmoe.distributed.collectives.CommStats` recording
             every collective of this layer (bytes, time).
+        batch_group: where the global batch spans several expert-parallel groups (the
+            data-parallel shard dimension of :mod:`mxmoe.distributed.mesh`), the group of
+            this rank's peers in the other groups: the global counts are summed over it
+            (one all-reduce of E ints), so the loss shares use the whole batch's counts.
+            None: the global batch is this group's.
 
     Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
@@ -192,8 +197,9 @@ class ExpertParallelMoELayer(nn.Module):
     """
 
     def __init__(self, layer: MoELayer, group=None, mx_dispatch: bool | None = None,
-                 comm_stats: CommStats | None = None):
+                 comm_stats: CommStats | None = None, batch_group=None):
         super().__init__()
+        self.batch_group = batch_group
         P, rank = dist.get_world_size(group), dist.get_rank(group)
         E = layer.n_experts
         if E % P:
@@ -252,6 +258,9 @@ class ExpertParallelMoELayer(nn.Module):
         recv_counts_PL = counts_PE[:, lo:hi]  # rows from each rank, per local expert
         recv_splits = recv_counts_PL.sum(dim=1).tolist()
         counts_global_E = counts_PE.sum(dim=0)
+        if self.batch_group is not None:  # the global batch spans several expert-parallel groups
+            counts_global_E = counts_global_E.to(device)
+            dist.all_reduce(counts_global_E, group=self.batch_group)
         tokens_global = int(counts_global_E.sum()) // k
         # 2. dispatch (rows sorted by expert = grouped by destination rank, rank order)
         x_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
@@ -299,7 +308,7 @@ class ExpertParallelMoELayer(nn.Module):
 
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
-                  comm_stats: CommStats | None = None) -> list[ExpertParallelMoELayer]:
+                  comm_stats: CommStats | None = None, batch_group=None) -> list[ExpertParallelMoELayer]:
     """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
@@ -316,7 +325,7 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
-                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats)
+                ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, batch_group)
                 setattr(module, child_name, ep)
                 layers.append(ep)
     return layers
