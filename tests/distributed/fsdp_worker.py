@@ -57,6 +57,61 @@ def interrupted_run(cfg: TrainConfig) -> None:
         trainer.lr_at = real_lr_at
 
 
+def _wide_range_experts(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """(E, N, K) float32: each expert's rows at their own scale over 2^-20 .. 2^20, some
+    zeros, one NaN and one inf (special blocks travel too)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 21, shape[:2] + (1,), generator=g).float())
+    w[torch.rand(*shape, generator=g) < 0.05] = 0.0
+    w[1, 3, 5], w[-1, -1, -1] = float("nan"), float("inf")
+    return w
+
+
+def _same_mx(a, b) -> bool:
+    return (a.qdata.view(torch.uint8).equal(b.qdata.view(torch.uint8)) and a.scale.view(torch.uint8).equal(
+        b.scale.view(torch.uint8)) and a.shape == b.shape and a.dim == b.dim)
+
+
+def mx_gather_checks() -> dict:
+    """Expert weights quantized per shard and all-gathered as codes + scales, against the
+    single-process quantization of the whole weight, both blockings, rceil and floor;
+    on a random weight split as FSDP2 splits it and on a real FSDP2 shard of a model."""
+    from mxmoe.distributed.mesh import init_mesh, shard_model
+    from mxmoe.distributed.mx_gather import DGRAD_BLOCKED_DIM, FORWARD_BLOCKED_DIM, all_gather_mx_experts
+    from mxmoe.models import MoETransformer
+    from mxmoe.ops.quantize import quantize_mx
+    from mxmoe.recipe import get_recipe
+
+    rank, G = dist.get_rank(), dist.get_world_size()
+    res: dict = {}
+    full = _wide_range_experts((4, 72, 40), seed=5)  # N = 72 and K = 40: padded blocks on both axes
+    for name in ("mxfp8", "mxfp8-floor"):
+        recipe = get_recipe(name)
+        for dim_name, dim in (("forward", FORWARD_BLOCKED_DIM), ("dgrad", DGRAD_BLOCKED_DIM)):
+            shard = full.chunk(G)[rank]
+            got, wire = all_gather_mx_experts(shard, recipe, dim)
+            want = quantize_mx(full, recipe.fmt, dim=dim, scale_mode=recipe.scale_mode, pad=True)
+            res[f"random_{name}_{dim_name}"] = {"equal": _same_mx(got, want), "wire_bytes": wire,
+                                                "shard_elems": shard.numel()}
+    # the control: shards split along a blocked dimension (K = 40 in halves of 20) quantize
+    # blocks the whole weight does not have, so the concatenation differs
+    halves = [quantize_mx(h, "e4m3", dim=-1, pad=True).dequantize() for h in full.chunk(2, dim=-1)]
+    whole = quantize_mx(full, "e4m3", dim=-1, pad=True).dequantize()
+    res["control_split_along_k_equal"] = torch.equal(torch.cat(halves, dim=-1).nan_to_num(), whole.nan_to_num())
+    # a real FSDP2 shard: the model of the training checks on the mesh G x 1
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(d_model=64, n_layers=1, n_heads=2, n_experts=4, top_k=2, d_expert=64,
+                                       max_seq_len=32), "mxfp8")
+    shard_model(model, init_mesh(G, 1, "cpu"))
+    for pname in ("w13", "w2"):
+        w = getattr(model.blocks[0].ffn.experts, pname)
+        for dim_name, dim in (("forward", FORWARD_BLOCKED_DIM), ("dgrad", DGRAD_BLOCKED_DIM)):
+            got, _ = all_gather_mx_experts(w.to_local(), get_recipe("mxfp8"), dim)
+            want = quantize_mx(w.full_tensor().detach(), "e4m3", dim=dim, pad=True)
+            res[f"fsdp2_{pname}_{dim_name}"] = {"equal": _same_mx(got, want), "local_experts": w.to_local().shape[0]}
+    return res
+
+
 def mesh_name(mesh: list[int]) -> str:
     return f"{mesh[0]}x{mesh[1]}"
 
@@ -98,6 +153,8 @@ def main() -> int:
     rank = dist.get_rank()
     result: dict = {}
     try:
+        if task.get("mx_gather"):
+            result["mx_gather"] = mx_gather_checks()
         result["train"] = train_checks(out / "runs", task["data"], task)
     except Exception:
         result["error"] = traceback.format_exc()
