@@ -327,3 +327,38 @@ def test_mesh_needs_torchrun_with_its_product(monkeypatch, tmp_path, text_file):
     with pytest.raises(ValueError, match="launch with `torchrun --nproc-per-node 4 -m mxmoe train "
                                          "--data-parallel-shard 2 --expert-parallel 2"):
         train(cfg)
+
+
+def test_mesh_product_must_match_the_launch(monkeypatch):
+    from mxmoe.distributed.launch import init_expert_parallel
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "1")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match="2 processes were launched but the mesh --data-parallel-shard 2 "
+                                         "--expert-parallel 2 has 4 ranks"):
+        init_expert_parallel(2, "cpu", data_parallel_shard=2)
+
+
+# ---- torchrun + the CLI -----------------------------------------------------------------
+
+def test_torchrun_cli_mesh(tmp_path, text_file):
+    """``torchrun --nproc-per-node 2 -m mxmoe train --data-parallel-shard 2 --expert-parallel 1``:
+    rank 0 alone reports, the run's config records the mesh, the checkpoint is sharded."""
+    flags = ["--layers", "1", "--width", "64", "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-width",
+             "64", "--batch-size", "4", "--seq-len", "32", "--steps", "2", "--eval-interval", "2", "--eval-batches",
+             "1", "--warmup-steps", "1", "--no-progress", "--recipe", "mxfp8", "--device", "cpu", "--data",
+             str(text_file), "--out-dir", str(tmp_path / "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "mxmoe", "train", "--data-parallel-shard", "2",
+           "--expert-parallel", "1", *flags]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("done:") == 1 and proc.stdout.count("step     1 |") == 1, proc.stdout
+    assert "mesh 2x1 (dp_shard x ep, FSDP2, gloo" in proc.stdout
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["expert_parallel"]["mesh"] == {"dp_shard": 2, "ep": 1} and cfg["expert_parallel"]["ranks"] == 2
+    assert read_sharded_checkpoint(tmp_path / "run")[1]["step"] == 2
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

@@ -56,6 +56,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from ..distributed.mesh import ExpertParallelMesh, expert_parameter_fqns, global_expert_view, local_tensor
@@ -67,8 +70,7 @@ FORMAT = "mxmoe-dcp-1"
 
 # the globals a DCP .metadata pickle names (torch 2.11 - 2.13): its dataclasses, enums, and
 # torch's dtypes, layouts, memory formats and Size; nothing else is looked up
-_DCP_METADATA_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                         "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension"}
+_DCP_METADATA_MODULES = {m.__name__: m for m in (dcp_metadata, dcp_filesystem, dcp_planner)}
 _TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -89,7 +91,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if module in _DCP_METADATA_MODULES and not name.startswith("__"):
-            obj = getattr(__import__(module, fromlist=[name]), name, None)
+            obj = getattr(_DCP_METADATA_MODULES[module], name, None)
             if isinstance(obj, type) and obj.__module__ == module:
                 return obj
         if module == "torch":
