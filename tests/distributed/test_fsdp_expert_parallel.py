@@ -292,6 +292,27 @@ def test_resume_refuses_the_other_checkpoint_kind(mesh2, tmp_path, text_file):
                     True, None)
 
 
+def test_eval_and_export_read_a_sharded_checkpoint(mesh2, tmp_path):
+    """``mxmoe eval`` and ``mxmoe export`` of a mesh run's directory read its whole model in
+    one process: the validation loss is the one the mesh run logged at its last step (the
+    same forward token by token; the shares' sum in another order: step-1 tolerance)."""
+    from mxmoe.train.export import evaluate_source, export_checkpoint, load_source
+
+    out, _ = mesh2
+    run = out / "runs" / "2x1_mxfp8_bfloat16"
+    src = load_source(run)
+    assert src.step == STEPS and src.state["blocks.0.ffn.experts.w13"].shape == (4, 128, 64)
+    torch.set_num_threads(1)
+    try:
+        res = evaluate_source(run, device="cpu")
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    logged = [m for m in read_metrics(run) if m["kind"] == "eval"][-1]["val_loss"]
+    assert _rel(res.val_loss, logged) <= TOL["step1_loss"], (res.val_loss, logged)
+    meta = export_checkpoint(run, tmp_path / "model.safetensors")
+    assert meta["step"] == STEPS
+
+
 # ---- the MXFP8 weight all-gather --------------------------------------------------------
 
 def test_mx_weight_all_gather_equals_single_process_quantization(mesh2):

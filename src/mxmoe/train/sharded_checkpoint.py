@@ -37,6 +37,9 @@ Guarantees, against the single-file checkpoints of :mod:`mxmoe.train.checkpoint`
   data is read by DCP with ``torch.load(weights_only=True)``; the default load planner
   is used, and a checkpoint holding non-tensor entries (which DCP would unpickle with
   ``weights_only=False``) is refused.
+
+``mxmoe eval`` and ``mxmoe export`` read the whole model of a sharded checkpoint in one
+process (:func:`read_whole_model_state`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +284,28 @@ def load_sharded_checkpoint(step_dir: Path, state: dict[str, Any]) -> None:
         RuntimeError: DCP's errors (a tensor missing, or of another global shape).
     """
     dcp.load(state, storage_reader=SafeFileSystemReader(step_dir))
+
+
+def read_whole_model_state(step_dir: Path, shapes: dict[str, torch.Size]) -> dict[str, Tensor]:
+    """The whole model of a sharded checkpoint as plain float32 CPU tensors, in one
+    process, without a process group (DCP's no-distributed load): for ``mxmoe eval`` and
+    ``mxmoe export``, which take the single-process state dict.
+
+    Args:
+        step_dir: from :func:`read_sharded_checkpoint` (checksums checked there).
+        shapes: name -> whole shape of every tensor of the model's state dict (the
+            model built on the meta device).
+
+    Returns:
+        ``{name: tensor}`` in the single-process format (expert weights (E, ...)).
+
+    Raises:
+        ValueError: the metadata is refused (:class:`SafeFileSystemReader`).
+        RuntimeError: DCP's errors (a tensor missing, or of another shape).
+    """
+    state = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    with warnings.catch_warnings():  # one process by design, which DCP warns about
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, storage_reader=SafeFileSystemReader(step_dir), no_dist=not dist.is_initialized())
+    return state
+

@@ -58,6 +58,7 @@ from .sharded_checkpoint import (
     has_sharded_checkpoint,
     load_sharded_checkpoint,
     local_state,
+    read_whole_model_state,
     read_sharded_checkpoint,
     save_sharded_checkpoint,
     sharded_state,
@@ -429,7 +430,9 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
     ``export``: :func:`~mxmoe.train.checkpoint.load_checkpoint` (weights_only, checksums),
     then its structure, its settings and its model weights against the model of those
     settings (names and shapes), so that a file that would fail later fails here, in one
-    line naming it.
+    line naming it. A run directory holding the sharded checkpoint of a 2-D mesh run (and
+    no checkpoint.pt) gives its whole model, read in this one process (its checksums
+    checked; no optimizer state: ``{}``), and the step directory as the file.
 
     Args:
         path: a run directory or its checkpoint.pt.
@@ -442,6 +445,8 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
         ValueError: a directory, an unreadable or foreign file, a damaged one, or one
             whose structure, settings or weights are not those of an mxmoe run.
     """
+    if has_sharded_checkpoint(path) and not (Path(path) / CHECKPOINT_NAME).exists():
+        return _load_sharded_for_one_process(Path(path))
     file = resolve_checkpoint_path(path)
     ckpt = load_checkpoint(file)
     check_training_checkpoint(file, ckpt)
@@ -453,6 +458,23 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
                          f"{' '.join(str(e).split())[:200]})") from None
     check_model_state(file, ckpt["model"], cfg.model)
     return file, ckpt, cfg
+
+
+def _load_sharded_for_one_process(out: Path) -> tuple[Path, dict[str, Any], TrainConfig]:
+    """:func:`load_training_checkpoint` of a run directory holding the sharded checkpoint of
+    a 2-D mesh run: the whole model (experts of every rank) in one process; no optimizer
+    state (``eval`` and ``export`` read the model only)."""
+    checkpoint, cfg = load_sharded_resume(out)
+    step_dir = checkpoint["sharded_dir"]
+    with torch.device("meta"):
+        ref = build_model(cfg.model, get_recipe("bf16"))
+    state = read_whole_model_state(step_dir, {k: v.shape for k, v in ref.state_dict().items()})
+    name = nonfinite_state(state, {})
+    if name is not None:
+        raise ValueError(f"{str(step_dir)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
+                         f"evaluated or exported: use an earlier checkpoint or train anew")
+    ckpt = {"step": checkpoint["step"], "model": state, "optimizer": {}, "train_config": checkpoint["train_config"]}
+    return step_dir, ckpt, cfg
 
 
 def check_model_state(path: Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
@@ -594,6 +616,14 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
     - only rank 0 prints and writes config.json, metrics.jsonl and checkpoint.pt. The
       checkpoint holds the whole model in the single-process format (every rank's experts
       gathered) and one optimizer state per rank; it resumes on the same P only.
+
+    With ``cfg.data_parallel_shard = D >= 1`` it runs on the 2-D mesh of D x P ranks
+    (:mod:`mxmoe.distributed.mesh`): FSDP2 shards the parameters
+    (:func:`~mxmoe.distributed.mesh.shard_model`), rank r takes sequences r*B/W ..
+    (r+1)*B/W - 1 of W = D x P, every step is a
+    :class:`~mxmoe.train.fsdp_step.FSDPExpertParallelStep`, and checkpoints are sharded
+    (:mod:`mxmoe.train.sharded_checkpoint`): every rank writes its shards, and they
+    resume on any mesh.
 
     Args:
         cfg: the run's configuration (validated here, before any work).
