@@ -2,9 +2,11 @@
 runs 2x1 and 1x2 (data-parallel shard x expert parallel), against one GPU.
 
     torchrun --nproc-per-node 2 benchmarks/fsdp_expert_parallel.py --preset h200        # 2 GPUs, NCCL
-    torchrun --nproc-per-node 2 benchmarks/fsdp_expert_parallel.py --smoke --results-dir /tmp/r   # CPU, gloo
+    PYTHONPATH=src python3 benchmarks/fsdp_expert_parallel.py --smoke   # CPU, gloo, tiny model
 
-One torchrun launch of 2 processes runs, in turn:
+Started without torchrun (as ``--smoke`` in tests/test_benchmark_scripts.py), the script
+launches itself with ``torchrun --nproc-per-node 2`` and returns its exit status. One
+torchrun launch of 2 processes runs, in turn:
 
 - ``1 GPU``: rank 0 alone trains the single-process model (:class:`mxmoe.train.step.TrainStep`,
   eager) on ``batch_size`` sequences per step; rank 1 waits;
@@ -113,7 +115,26 @@ def run(args, shape: dict, device: torch.device, corpus, mesh_shape: tuple[int, 
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
+def launch_self(argv: list[str]) -> int:
+    """Run this script under ``torchrun --nproc-per-node 2`` (a free local port)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), __file__, *argv]
+    return subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "RANK" not in os.environ:
+        return launch_self(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="h200", choices=list(PRESETS))
     p.add_argument("--recipe", default="mxfp8")
@@ -160,18 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if rank == 0:
         env = harness.environment()
+        print(harness.title("FSDP2 x expert parallel, meshes 2x1 and 1x2, against one GPU", env, args,
+                            timing="timing: median wall time per step"), flush=True)
         base = results[0]["tokens_per_s_per_gpu"]
-        rows, checks = [], []
+        tokens_gpu = shape["batch_size"] * shape["seq_len"]
+        rows, checks, body = [], [], []
         for r in results:
             name = "1 GPU" if r["mesh"] is None else f"mesh {r['mesh'][0]}x{r['mesh'][1]}"
             mems = [q["peak_mem_gib"] for q in r.get("per_rank", [r])]
-            print(f"{name:10s} | {r['tokens_per_s_per_gpu']:12,.0f} tok/s per GPU | x {r['tokens_per_s_per_gpu'] / base:.2f} "
-                  f"| {r['ms_per_step_median']:8.1f} ms/step | peak GiB per rank {mems}")
+            body.append([name, f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tokens_per_s_per_gpu'] / base:.2f}x",
+                         f"{r['ms_per_step_median']:.1f}",
+                         " / ".join("-" if m is None else f"{m:.2f}" for m in mems)])
+            rows.append(harness.Row(name, f"{tokens_gpu} tokens per GPU per step",
+                                    1e6 / r["tokens_per_s_per_gpu"] * tokens_gpu, 1e6 / base * tokens_gpu,
+                                    note="us per step per GPU", extra=r))
             if r["mesh"] is not None:
                 rel = abs(r["loss_step1"] - reference) / abs(reference)
                 checks.append({"run": name, "step1_loss": r["loss_step1"], "reference": reference, "rel": rel,
                                "ok": rel <= STEP1_RTOL[device.type]})
                 status |= not checks[-1]["ok"]
+        print(harness.format_table(["run", "tokens/s per GPU", "x 1 GPU", "ms/step", "peak GiB per rank"], body))
+        print(f"step-1 loss check ({'ok' if not status else 'FAILED'}): {checks}")
         harness.write_results(SUBJECT, args, env, rows, {"preset": args.preset, "shape": shape, "runs": results,
                                                          "step1_checks": checks})
     dist.barrier()
