@@ -959,7 +959,8 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
 def _last_good(out: Path, step: int | None) -> str:
     if step is None:
         return "no checkpoint was written"
-    return f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {step})"
+    name = SHARDED_CHECKPOINT_DIR if has_sharded_checkpoint(out) else CHECKPOINT_NAME
+    return f"the last good checkpoint is {out / name} (step {step})"
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict, path) -> None:
