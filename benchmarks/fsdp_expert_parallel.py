@@ -13,7 +13,9 @@ torchrun launch of 2 processes runs, in turn:
 - ``mesh 2x1``: FSDP2 over both ranks for every parameter, each rank running all E experts
   (its FSDP2 shard holds E / 2 of them); global batch 2 x ``batch_size``;
 - ``mesh 1x2``: the experts split over the two ranks (expert parallel), FSDP2 for the
-  non-expert parameters over both; global batch 2 x ``batch_size``.
+  non-expert parameters over both; global batch 2 x ``batch_size``;
+- ``mesh 2x1 + MXFP8 weight gather``: as mesh 2x1, the experts gathered as MXFP8 codes +
+  scales instead of by FSDP2 (``--mx-weight-gather``; MXFP8 recipes only).
 
 The mesh runs step with :class:`mxmoe.train.fsdp_step.FSDPExpertParallelStep` (the step of
 ``mxmoe train --data-parallel-shard D --expert-parallel P``); the per-GPU batch is the same
@@ -49,7 +51,8 @@ PRESETS = {
     "h200": dict(layers=8, width=512, heads=8, experts=32, top_k=2, expert_width=512, seq_len=512, batch_size=32),
     "smoke": dict(layers=2, width=64, heads=2, experts=4, top_k=2, expert_width=64, seq_len=32, batch_size=2),
 }
-MESHES = ((2, 1), (1, 2))  # (data-parallel shard, expert parallel)
+# (data-parallel shard, expert parallel, experts gathered as MXFP8: --mx-weight-gather)
+MESHES = ((2, 1, False), (1, 2, False), (2, 1, True))
 # step-1 loss of a mesh run against the single-process model on the same global batch:
 # as STEP1_RTOL of benchmarks/expert_parallel.py (CPU: the shares' summation order; CUDA:
 # GEMMs of other shapes leave bf16 activations an ulp apart in places)
@@ -69,7 +72,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(args, shape: dict, device: torch.device, corpus, mesh_shape: tuple[int, int] | None) -> dict:
+def run(args, shape: dict, device: torch.device, corpus, mesh_shape: tuple[int, int] | None,
+        mx_weight_gather: bool = False) -> dict:
     """One training run: the single process (``mesh_shape`` None, rank 0 only) or a mesh."""
     from mxmoe.distributed.batch import rank_slice
     from mxmoe.distributed.mesh import init_mesh, shard_model
@@ -94,10 +98,10 @@ def run(args, shape: dict, device: torch.device, corpus, mesh_shape: tuple[int, 
         opt = make_optimizer(model, cfg)
         step_fn = TrainStep(model, opt, cfg.grad_clip, device, cuda_graph=False)
     else:
-        shard_model(model, init_mesh(*mesh_shape, device.type))
+        shard_model(model, init_mesh(*mesh_shape, device.type), mx_weight_gather=mx_weight_gather)
         opt = make_optimizer(model, cfg)
         step_fn = FSDPExpertParallelStep(model, opt, cfg.grad_clip, device, tokens, cfg.model.aux_loss_coef,
-                                         cfg.model.z_loss_coef)
+                                         cfg.model.z_loss_coef, weight_cache=mx_weight_gather)
     step_s, losses = [], []
     for step in range(1, cfg.steps + 1):
         x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(step))
@@ -109,7 +113,8 @@ def run(args, shape: dict, device: torch.device, corpus, mesh_shape: tuple[int, 
         if step > args.warmup:
             step_s.append(time.perf_counter() - t0)
     med = statistics.median(step_s)
-    return {"mesh": None if mesh_shape is None else list(mesh_shape), "rank": rank, "ms_per_step_median": med * 1e3,
+    return {"mesh": None if mesh_shape is None else list(mesh_shape), "mx_weight_gather": mx_weight_gather,
+            "rank": rank, "ms_per_step_median": med * 1e3,
             "tokens_per_step_global": tokens, "tokens_per_s_per_gpu": tokens / W / med, "loss_step1": losses[0],
             "loss_last": losses[-1],
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
@@ -169,12 +174,15 @@ def main(argv: list[str] | None = None) -> int:
             reference = model(x.to(device), y.to(device)).ce_loss.item()
         del model
     dist.barrier()
-    for mesh_shape in MESHES:
-        mine = run(args, shape, device, corpus, mesh_shape)
+    for D, P, mx_gather in MESHES:
+        if mx_gather and args.recipe == "bf16":
+            continue
+        mesh_shape = (D, P)
+        mine = run(args, shape, device, corpus, mesh_shape, mx_gather)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         if rank == 0:
-            results.append({"mesh": list(mesh_shape), "per_rank": per_rank,
+            results.append({"mesh": list(mesh_shape), "mx_weight_gather": mx_gather, "per_rank": per_rank,
                             "tokens_per_s_per_gpu": per_rank[0]["tokens_per_s_per_gpu"],
                             "ms_per_step_median": max(r["ms_per_step_median"] for r in per_rank),
                             "loss_step1": per_rank[0]["loss_step1"]})
@@ -187,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens_gpu = shape["batch_size"] * shape["seq_len"]
         rows, checks, body = [], [], []
         for r in results:
-            name = "1 GPU" if r["mesh"] is None else f"mesh {r['mesh'][0]}x{r['mesh'][1]}"
+            name = "1 GPU" if r["mesh"] is None else f"mesh {r['mesh'][0]}x{r['mesh'][1]}" + (
+                " + MXFP8 weight gather" if r["mx_weight_gather"] else "")
             mems = [q["peak_mem_gib"] for q in r.get("per_rank", [r])]
             body.append([name, f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tokens_per_s_per_gpu'] / base:.2f}x",
                          f"{r['ms_per_step_median']:.1f}",

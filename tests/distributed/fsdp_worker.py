@@ -24,7 +24,8 @@ from mxmoe.models import ModelConfig
 from mxmoe.train import TrainConfig, train, trainer
 
 
-def tiny_config(out: Path, data: str, recipe: str, dtype: str, mesh: list[int], steps: int) -> TrainConfig:
+def tiny_config(out: Path, data: str, recipe: str, dtype: str, mesh: list[int], steps: int,
+                mx_weight_gather: bool = False) -> TrainConfig:
     """The model and run of the tests: 2 layers, width 64, 4 experts (divisible by every
     mesh's W <= 4), global batch 4 (divisible by W)."""
     model = ModelConfig(d_model=64, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=64, max_seq_len=32,
@@ -32,7 +33,7 @@ def tiny_config(out: Path, data: str, recipe: str, dtype: str, mesh: list[int], 
     D, P = mesh
     return TrainConfig(recipe=recipe, batch_size=4, seq_len=32, steps=steps, eval_interval=3, eval_batches=1,
                        ckpt_interval=3, warmup_steps=2, out_dir=str(out), data=data, progress=False, model=model,
-                       expert_parallel=P, data_parallel_shard=D, device="cpu")
+                       expert_parallel=P, data_parallel_shard=D, mx_weight_gather=mx_weight_gather, device="cpu")
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -112,6 +113,68 @@ def mx_gather_checks() -> dict:
     return res
 
 
+def mx_weight_gather_layer_check() -> dict:
+    """An MoE layer on the mesh G x 1 with its experts gathered as MXFP8
+    (gather_experts_as_mxfp8) against the single-process layer: output, input gradient
+    (the dgrad reads the gathered copy blocked along N) and expert weight gradients
+    (reduce-scattered to the shards). Expert rows at scales 2^-12 .. 2^12: a 32-block along
+    N then spans rows of other scales, so a dgrad copy quantized from the forward copy's
+    values (no weight-copy cache: a second rounding) differs - the control."""
+    import contextlib
+
+    from mxmoe.distributed.ep import shard_experts
+    from mxmoe.distributed.mesh import init_mesh
+    from mxmoe.distributed.mx_gather import gather_experts_as_mxfp8
+    from mxmoe.nn.moe import MoELayer
+    from mxmoe.ops.weight_cache import weight_copy_cache
+    from mxmoe.recipe import get_recipe
+
+    rank, G = dist.get_rank(), dist.get_world_size()
+    recipe = get_recipe("mxfp8")
+    T = 48  # tokens per rank
+
+    def make() -> MoELayer:
+        torch.manual_seed(0)
+        layer = MoELayer(64, 4, 2, 64, 1, recipe)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for w in (layer.experts.w13, layer.experts.w2):
+                w.mul_(torch.exp2(torch.randint(-12, 13, (*w.shape[:2], 1), generator=g).float()))
+        return layer
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(G * T, 64, generator=g).to(torch.bfloat16)
+    upstream = torch.randn(G * T, 64, generator=g)
+    ref = make()
+    x_ref = x.clone().requires_grad_()
+    y_ref, _ = ref(x_ref)
+    ((y_ref.float() * upstream).sum() / x.shape[0]).backward()
+    mesh = init_mesh(G, 1, "cpu")
+    holder = torch.nn.Module()
+    holder.ffn = make()
+    shard_experts(holder, group=mesh.ep_group, batch_group=mesh.dp_group)
+    layer = holder.ffn
+    stats = gather_experts_as_mxfp8(layer, recipe, mesh.dp_group, mesh.dp_rank)
+    sl = slice(rank * T, (rank + 1) * T)
+    res: dict = {}
+    for cached in (True, False):
+        for p in layer.parameters():
+            p.grad = None
+        xr = x[sl].clone().requires_grad_()
+        with weight_copy_cache() if cached else contextlib.nullcontext():
+            y, _ = layer(xr)
+            ((y.float() * upstream[sl]).sum() / x.shape[0]).backward()
+        key = "cached" if cached else "control_uncached"
+        res[key] = {"y_equal": torch.equal(y, y_ref[sl].detach()), "dx_equal": torch.equal(xr.grad, x_ref.grad[sl])}
+        for name in ("w13", "w2"):
+            got = getattr(layer.experts, name).grad
+            want = getattr(ref.experts, name).grad.chunk(G)[rank]
+            res[key][f"{name}_grad_rel"] = ((got - want).abs().max() / want.abs().max()).item()
+            res[key][f"{name}_shard_experts"] = got.shape[0]
+    res["gathered_bytes"] = stats["gathered_bytes"]
+    return res
+
+
 def mesh_name(mesh: list[int]) -> str:
     return f"{mesh[0]}x{mesh[1]}"
 
@@ -123,6 +186,12 @@ def train_checks(tmp: Path, data: str, task: dict) -> dict:
         for recipe, dtype in task["runs"]:
             key = f"{mesh_name(mesh)}_{recipe}_{dtype}"
             train(tiny_config(tmp / key, data, recipe, dtype, mesh, task["steps"]))
+            if rank == 0:
+                res["runs"][key] = read_metrics(tmp / key)
+    for mesh in task.get("mx_weight_gather_meshes", []):  # the experts gathered as MXFP8, not by FSDP2
+        for recipe, dtype in task["mx_weight_gather_runs"]:
+            key = f"{mesh_name(mesh)}_{recipe}_{dtype}_mx_weight_gather"
+            train(tiny_config(tmp / key, data, recipe, dtype, mesh, task["steps"], mx_weight_gather=True))
             if rank == 0:
                 res["runs"][key] = read_metrics(tmp / key)
     for spec in task.get("resume", []):
@@ -155,6 +224,7 @@ def main() -> int:
     try:
         if task.get("mx_gather"):
             result["mx_gather"] = mx_gather_checks()
+            result["mx_weight_gather_layer"] = mx_weight_gather_layer_check()
         result["train"] = train_checks(out / "runs", task["data"], task)
     except Exception:
         result["error"] = traceback.format_exc()

@@ -21,7 +21,9 @@ would leave P copies. Why the experts' FSDP2 shards split the expert dimension: 
 shard is whole experts, so no MX block (32 elements along the contraction dimension of
 either expert GEMM: K for the forward, N within one expert for the dgrad) crosses a shard
 boundary (:mod:`mxmoe.distributed.mx_gather`), and the checkpoint's global view of an
-expert weight is a plain concatenation. Hence the rule: E divisible by D x P.
+expert weight is a plain concatenation. Hence the rule: E divisible by D x P. With
+``mx_weight_gather`` the experts leave FSDP2 and are gathered as MXFP8 codes + scales
+(:func:`~mxmoe.distributed.mx_gather.gather_experts_as_mxfp8`), in the same shard layout.
 
 Gradients are sums, not means: each rank backpropagates its share of the global batch's
 loss (:func:`~mxmoe.distributed.ep.loss_share`, divided by the global token count), so
@@ -47,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .ep import ExpertParallelMoELayer, shard_experts
+from .mx_gather import gather_experts_as_mxfp8
 
 MESH_DIM_NAMES = ("dp_shard", "ep")
 
@@ -135,7 +138,8 @@ def expert_layers(model: nn.Module) -> list[ExpertParallelMoELayer]:
     return [m for m in model.modules() if isinstance(m, ExpertParallelMoELayer)]
 
 
-def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | None = None) -> list[ExpertParallelMoELayer]:
+def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | None = None,
+                mx_weight_gather: bool = False) -> list[ExpertParallelMoELayer]:
     """Spread ``model`` over the mesh in place: experts over ``ep``, then FSDP2 (module
     docstring's table). Build ``model`` identically on every rank first (same seed) and
     move it to the rank's device.
@@ -144,6 +148,10 @@ def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | 
         model: a :class:`~mxmoe.models.MoETransformer` (any module whose MoE layers are
             :class:`~mxmoe.nn.moe.MoELayer`; ``blocks``, if present, are sharded one by one).
         mesh: from :func:`init_mesh`. mx_dispatch: as :func:`~mxmoe.distributed.ep.shard_experts`.
+        mx_weight_gather: shard the experts over ``dp_shard`` without FSDP2 and gather them
+            as MXFP8 codes + scales in each forward
+            (:func:`~mxmoe.distributed.mx_gather.gather_experts_as_mxfp8`; needs a
+            quantizing recipe and a weight-copy cache open around forward and backward).
 
     Returns:
         The expert-parallel layers (now FSDP2 modules), in module order.
@@ -155,6 +163,7 @@ def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | 
     layers = shard_experts(model, group=mesh.ep_group, mx_dispatch=mx_dispatch,
                            batch_group=mesh.dp_group if mesh.dp_shard > 1 else None)
     modules: list[nn.Module] = []
+    ignored: dict[int, nn.Parameter] = {}  # expert shards gathered as MXFP8, outside FSDP2
     for layer in layers:
         if layer.n_local % mesh.dp_shard:
             raise ValueError(f"{layer.n_experts} experts do not split over the mesh {mesh.shape_text} "
@@ -164,12 +173,21 @@ def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | 
             if sub is not None:
                 fully_shard(sub, mesh=mesh.world)
                 modules.append(sub)
-        fully_shard(layer, mesh=mesh.mesh["dp_shard"])  # manages what is left: experts.w13, experts.w2
-        modules.append(layer)
+        if mx_weight_gather:
+            gather_experts_as_mxfp8(layer, layer.recipe, mesh.dp_group, mesh.dp_rank)
+            ignored.update({id(p): p for p in layer.experts.parameters()})
+        else:
+            fully_shard(layer, mesh=mesh.mesh["dp_shard"])  # manages what is left: experts.w13, experts.w2
+            modules.append(layer)
+
+    def ignored_in(module: nn.Module) -> dict:
+        mine = {p for p in module.parameters() if id(p) in ignored}
+        return {"ignored_params": mine} if mine else {}
+
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh.world)
+        fully_shard(block, mesh=mesh.world, **ignored_in(block))
         modules.append(block)
-    fully_shard(model, mesh=mesh.world)
+    fully_shard(model, mesh=mesh.world, **ignored_in(model))
     modules.append(model)
     for m in modules:
         m.set_gradient_divide_factor(1.0)  # sums: the losses are shares of the global batch's

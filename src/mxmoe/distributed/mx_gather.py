@@ -20,9 +20,17 @@ Bytes on the wire per element: 1 (E4M3 code) + 1/32 (E8M0 scale) = 1.03, against
 bf16 and 4 for the float32 master weights: 0.516x and 0.258x. The forward needs the copy
 blocked along K and the backward the one along N; each pass gathers only its own.
 
-:func:`all_gather_mx_experts` is the collective. It is not yet what the training step runs:
-FSDP2 still all-gathers the float32 expert weights, and each GEMM quantizes them itself
-(docs/EXPERT_PARALLEL.md, "Known limits").
+:func:`all_gather_mx_experts` is the collective. :func:`gather_experts_as_mxfp8` puts it in
+an expert-parallel layer's forward, in place of FSDP2 for the experts
+(``mxmoe train --mx-weight-gather``): before each forward, each rank quantizes its shard
+along both blockings and gathers codes and scales (2 x 1.03 bytes per element per step,
+against 2 x 2 for FSDP2 gathering bf16 for the forward and again for the backward, and
+2 x 4 for the float32 master weights); the layer's weight becomes the forward copy's values
+(float32, exact), and the open weight-copy cache (:mod:`mxmoe.ops.weight_cache`) is given
+both dequantized copies, so the GEMMs read the gathered copies and quantize nothing (their
+forward copy equals re-quantizing those values along K, which gives them back: tested in
+tests/distributed/test_expert_parallel.py). The weight gradient is reduce-scattered (summed)
+over the group back to the shards.
 """
 
 from __future__ import annotations
@@ -31,8 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch import nn
+
 from ..numerics.mx_tensor import MXTensor
-from ..ops.quantize import quantize_mx
+from ..ops.quantize import dequantize_mx, quantize_mx
+from ..ops.weight_cache import DGRAD_DIM, FWD_DIM, active_cache
 from ..recipe import Recipe
 
 # the blockings of an expert weight (E, N, K): the forward GEMM's and the dgrad GEMM's
@@ -97,3 +108,86 @@ def all_gather_mx_experts(w_shard: Tensor, recipe: Recipe, dim: int, group=None)
                     mx.block_size, mx.dim, mx.scale_mode, mx.orig_size)
     wire_bytes = (G - 1) * (codes.numel() + scales.numel())
     return full, wire_bytes
+
+
+# the operand dtypes the expert GEMMs read copies in: bf16 (the fused op, bf16 activations)
+# and float32 (the composed path with float32 activations)
+GEMM_OPERAND_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class _GatherExpertsMX(torch.autograd.Function):
+    """Forward: shard (E_s, N, K) -> the whole weight (E, N, K) float32, the values of its
+    forward copy, gathered as MXFP8 (both blockings; the open weight-copy cache gets both
+    copies). Backward: reduce-scatter (sum) of the whole weight's gradient to the shard."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, recipe: Recipe, group, stats: dict) -> Tensor:
+        ctx.group = group
+        mx_k, bytes_k = all_gather_mx_experts(shard, recipe, FORWARD_BLOCKED_DIM, group)
+        mx_n, bytes_n = all_gather_mx_experts(shard, recipe, DGRAD_BLOCKED_DIM, group)
+        stats["gathered_bytes"] = stats.get("gathered_bytes", 0) + bytes_k + bytes_n
+        full = dequantize_mx(mx_k, torch.float32, backend=recipe.backend)
+        cache = active_cache(full)
+        if cache is not None:
+            for dtype in GEMM_OPERAND_DTYPES:
+                cache.put(full, recipe, dtype, {FWD_DIM: dequantize_mx(mx_k, dtype, backend=recipe.backend),
+                                                DGRAD_DIM: dequantize_mx(mx_n, dtype, backend=recipe.backend)})
+        return full
+
+    @staticmethod
+    def backward(ctx, g_full: Tensor):
+        G = dist.get_world_size(ctx.group)
+        g = g_full.float().contiguous()
+        out = g.new_empty((g.shape[0] // G, *g.shape[1:]))
+        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None, None, None
+
+
+def gather_experts_as_mxfp8(layer: nn.Module, recipe: Recipe, group, rank: int) -> dict:
+    """Shard ``layer.experts`` (``w13``, ``w2``: (L, N, K)) along the expert dimension over
+    ``group`` and gather them as MXFP8 in each forward (module docstring), in place.
+
+    After the call, ``layer.experts.w13`` / ``w2`` are this rank's shards, (L / G, N, K)
+    float32 Parameters (what the optimizer and checkpoints see); during a forward they are
+    the whole weights, non-leaf tensors whose gradients reach the shards through a
+    reduce-scatter. Open a :func:`~mxmoe.ops.weight_copy_cache` around the forward and
+    backward, or each GEMM quantizes the gathered values again and the dgrad copy is
+    rounded twice (a different result).
+
+    Args:
+        layer: an :class:`~mxmoe.distributed.ep.ExpertParallelMoELayer` (its experts whole
+            on this rank: L of them).
+        recipe: a quantizing recipe (the layer's). group: the gathering group (G ranks).
+        rank: this rank's index in ``group`` (its shard: experts rank*L/G .. ).
+
+    Returns:
+        A dict the layer's forwards fill: ``gathered_bytes``, bytes received so far.
+
+    Raises:
+        ValueError: a recipe that does not quantize, or L not divisible by G.
+    """
+    if not recipe.quantize:
+        raise ValueError(f"gathering expert weights as MXFP8 needs a quantizing recipe, got {recipe.name!r}")
+    G = dist.get_world_size(group)
+    experts = layer.experts
+    shards = {}
+    for name in ("w13", "w2"):
+        w = getattr(experts, name)
+        if w.shape[0] % G:
+            raise ValueError(f"{w.shape[0]} experts do not split over {G} ranks")
+        shards[name] = nn.Parameter(w.detach().chunk(G)[rank].clone())
+        setattr(experts, name, shards[name])
+    stats: dict = {}
+
+    def gather(module, args):
+        for name, shard in shards.items():
+            module.experts._parameters[name] = _GatherExpertsMX.apply(shard, recipe, group, stats)
+
+    def restore(module, args, output):
+        for name, shard in shards.items():
+            module.experts._parameters[name] = shard
+
+    layer.register_forward_pre_hook(gather)
+    layer.register_forward_hook(restore)
+    return stats
+

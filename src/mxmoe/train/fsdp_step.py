@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor
 
 from ..distributed.ep import loss_share
 from ..distributed.mesh import clip_grad_norm_
+from ..ops.weight_cache import weight_copy_cache
 from .step import StepOutputs, TrainStep, guarded_optimizer_step
 
 
@@ -33,6 +35,8 @@ class FSDPExpertParallelStep(TrainStep):
         tokens_global: B * S of the global batch.
         aux_loss_coef, z_loss_coef: the model's loss weights.
         log: as :class:`~mxmoe.train.step.TrainStep`.
+        weight_cache: open :func:`~mxmoe.ops.weight_copy_cache` around forward and backward
+            (needed by experts gathered as MXFP8: ``shard_model(mx_weight_gather=True)``).
 
     ``step(x, y, lr)``: x, y int64 (B / W, S) this rank's sequences. Returns
     :class:`~mxmoe.train.step.StepOutputs` with the global batch's losses (identical on
@@ -40,16 +44,20 @@ class FSDPExpertParallelStep(TrainStep):
     """
 
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, grad_clip: float, device: torch.device,
-                 tokens_global: int, aux_loss_coef: float, z_loss_coef: float, log: Callable[[str], None] = print):
+                 tokens_global: int, aux_loss_coef: float, z_loss_coef: float, log: Callable[[str], None] = print,
+                 weight_cache: bool = False):
         super().__init__(model, opt, grad_clip, device, cuda_graph=False, log=log)
+        self.weight_cache = weight_cache
         self.tokens_global, self.aux_loss_coef, self.z_loss_coef = tokens_global, aux_loss_coef, z_loss_coef
         self.params = list(model.parameters())
 
     def _run(self, x: Tensor, y: Tensor) -> StepOutputs:
-        out = self.model(x)
-        loss, ce = loss_share(out.logits, y, out.aux_loss, out.z_loss, self.tokens_global,
-                              self.aux_loss_coef, self.z_loss_coef)
-        loss.backward()
+        # experts gathered as MXFP8 hand their copies to the weight-copy cache (mx_gather)
+        with weight_copy_cache() if self.weight_cache else contextlib.nullcontext():
+            out = self.model(x)
+            loss, ce = loss_share(out.logits, y, out.aux_loss, out.z_loss, self.tokens_global,
+                                  self.aux_loss_coef, self.z_loss_coef)
+            loss.backward()
         grad_norm = clip_grad_norm_(self.params, self.max_norm)
         # the global norm is the same on every rank: all ranks skip, or none
         skipped = guarded_optimizer_step(self.opt, self.params, grad_norm, on_device=False)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from ..distributed.batch import evaluate_expert_parallel, rank_slice
@@ -131,6 +132,9 @@ class TrainConfig:
             group's experts over D; checkpoints are sharded (DCP,
             :mod:`mxmoe.train.sharded_checkpoint`) and resume on any mesh. 0 (default): no
             mesh; ``expert_parallel`` P > 1 then replicates the non-expert parameters.
+        mx_weight_gather: on the mesh, under a quantizing recipe, gather the expert weights
+            as MXFP8 codes + scales (each rank quantizes its shard once per step) instead of
+            letting FSDP2 gather the float32 weights (:mod:`mxmoe.distributed.mx_gather`).
         cuda_graph: on a CUDA device, replay each step from a CUDA graph after the first
             (:mod:`mxmoe.train.step`: removes the host's launch cost, which bounds small
             models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
@@ -163,6 +167,7 @@ class TrainConfig:
     overwrite: bool = False
     expert_parallel: int = 1
     data_parallel_shard: int = 0
+    mx_weight_gather: bool = False
     cuda_graph: bool = True
     max_bad_steps: int = 5
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -227,6 +232,9 @@ class TrainConfig:
                 _bad(f"--batch-size {self.batch_size} does not split over the mesh --data-parallel-shard {D} x "
                      f"--expert-parallel {self.expert_parallel} = {ranks} ranks; use a multiple of {ranks} (the global "
                      f"batch)")
+        if self.mx_weight_gather and not (D and RECIPES[self.recipe].quantize):
+            _bad(f"--mx-weight-gather gathers expert weights as MXFP8 on the mesh: it needs --data-parallel-shard D >= 1 "
+                 f"and a quantizing recipe (mxfp8, ...), got --data-parallel-shard {D} and recipe {self.recipe!r}")
         if self.model.n_experts % self.expert_parallel:
             _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
                  f"ranks; use a number of experts divisible by {self.expert_parallel}")
@@ -317,10 +325,17 @@ def default_activation_dtype(device: torch.device) -> tuple[str, str]:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms."""
+    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms. A
+    group holding both FSDP2 DTensors and plain tensors (experts gathered as MXFP8) is
+    split in two, DTensors first (the foreach kernels take one kind per list)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        parts = [dtensors, plain] if dtensors and plain else [params]
+        groups += [{"params": part, "weight_decay": wd} for part in parts]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
 
 
@@ -771,7 +786,7 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     flops = model.flops_per_token(cfg.seq_len)
     if mesh is not None:
         model = model.to(device)
-        shard_model(model, mesh)  # RNG untouched; FSDP2 keeps each rank's shards of the same parameters
+        shard_model(model, mesh, mx_weight_gather=cfg.mx_weight_gather)  # RNG untouched
     else:
         if env is not None:
             shard_experts(model)  # RNG untouched: every rank's replicated parameters stay equal
@@ -878,7 +893,7 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
 
     if mesh is not None:
         train_step = FSDPExpertParallelStep(model, opt, cfg.grad_clip, device, tokens_per_step, cfg.model.aux_loss_coef,
-                                            cfg.model.z_loss_coef, log=log)
+                                            cfg.model.z_loss_coef, log=log, weight_cache=cfg.mx_weight_gather)
     elif env is None:
         train_step = TrainStep(model, opt, cfg.grad_clip, device, cfg.cuda_graph, log=log)
     else:
