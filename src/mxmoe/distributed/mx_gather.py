@@ -110,18 +110,13 @@ def all_gather_mx_experts(w_shard: Tensor, recipe: Recipe, dim: int, group=None)
     return full, wire_bytes
 
 
-# the operand dtypes the expert GEMMs read copies in: bf16 (the fused op, bf16 activations)
-# and float32 (the composed path with float32 activations)
-GEMM_OPERAND_DTYPES = (torch.bfloat16, torch.float32)
-
-
 class _GatherExpertsMX(torch.autograd.Function):
     """Forward: shard (E_s, N, K) -> the whole weight (E, N, K) float32, the values of its
     forward copy, gathered as MXFP8 (both blockings; the open weight-copy cache gets both
     copies). Backward: reduce-scatter (sum) of the whole weight's gradient to the shard."""
 
     @staticmethod
-    def forward(ctx, shard: Tensor, recipe: Recipe, group, stats: dict) -> Tensor:
+    def forward(ctx, shard: Tensor, recipe: Recipe, group, stats: dict, operand_dtype: torch.dtype) -> Tensor:
         ctx.group = group
         mx_k, bytes_k = all_gather_mx_experts(shard, recipe, FORWARD_BLOCKED_DIM, group)
         mx_n, bytes_n = all_gather_mx_experts(shard, recipe, DGRAD_BLOCKED_DIM, group)
@@ -129,9 +124,9 @@ class _GatherExpertsMX(torch.autograd.Function):
         full = dequantize_mx(mx_k, torch.float32, backend=recipe.backend)
         cache = active_cache(full)
         if cache is not None:
-            for dtype in GEMM_OPERAND_DTYPES:
-                cache.put(full, recipe, dtype, {FWD_DIM: dequantize_mx(mx_k, dtype, backend=recipe.backend),
-                                                DGRAD_DIM: dequantize_mx(mx_n, dtype, backend=recipe.backend)})
+            cache.put(full, recipe, operand_dtype, {FWD_DIM: dequantize_mx(mx_k, operand_dtype, backend=recipe.backend),
+                                                    DGRAD_DIM: dequantize_mx(mx_n, operand_dtype,
+                                                                             backend=recipe.backend)})
         return full
 
     @staticmethod
@@ -140,7 +135,7 @@ class _GatherExpertsMX(torch.autograd.Function):
         g = g_full.float().contiguous()
         out = g.new_empty((g.shape[0] // G, *g.shape[1:]))
         dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 def gather_experts_as_mxfp8(layer: nn.Module, recipe: Recipe, group, rank: int) -> dict:
@@ -180,8 +175,11 @@ def gather_experts_as_mxfp8(layer: nn.Module, recipe: Recipe, group, rank: int) 
     stats: dict = {}
 
     def gather(module, args):
+        # the expert GEMMs read their weight copies in the activations' dtype (the fused op:
+        # bf16, which it runs for bf16 activations only)
+        dtype = args[0].dtype
         for name, shard in shards.items():
-            module.experts._parameters[name] = _GatherExpertsMX.apply(shard, recipe, group, stats)
+            module.experts._parameters[name] = _GatherExpertsMX.apply(shard, recipe, group, stats, dtype)
 
     def restore(module, args, output):
         for name, shard in shards.items():
