@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .ep import ExpertParallelMoELayer, shard_experts
@@ -133,11 +133,6 @@ def init_mesh(dp_shard: int, ep: int, device_type: str) -> ExpertParallelMesh:
     return ExpertParallelMesh(mesh, world_mesh, experts_in_order, dp_shard, ep, rank // ep, rank % ep)
 
 
-def expert_layers(model: nn.Module) -> list[ExpertParallelMoELayer]:
-    """The expert-parallel layers of ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, ExpertParallelMoELayer)]
-
-
 def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | None = None,
                 mx_weight_gather: bool = False) -> list[ExpertParallelMoELayer]:
     """Spread ``model`` over the mesh in place: experts over ``ep``, then FSDP2 (module
@@ -196,22 +191,6 @@ def shard_model(model: nn.Module, mesh: ExpertParallelMesh, mx_dispatch: bool | 
     return layers
 
 
-def is_expert_parameter(name: str, model: nn.Module) -> bool:
-    """Whether the parameter named ``name`` (as in ``model.named_parameters()``) is an
-    expert weight of an expert-parallel layer."""
-    return name in set(expert_parameter_fqns(model))
-
-
-def expert_parameter_fqns(model: nn.Module) -> list[str]:
-    """Names of the expert weights (``...experts.w13``, ``...experts.w2``) in ``model``."""
-    names = []
-    for mod_name, module in model.named_modules():
-        if isinstance(module, ExpertParallelMoELayer):
-            prefix = f"{mod_name}.experts." if mod_name else "experts."
-            names += [prefix + n for n, _ in module.experts.named_parameters()]
-    return names
-
-
 def local_tensor(t: Tensor) -> Tensor:
     """This rank's part of ``t``: the local shard of a DTensor, ``t`` itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -244,11 +223,6 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> 
     for g in locals_:
         g.mul_(clip.to(g.dtype))
     return total
-
-
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP2 modules inside ``model`` (itself included), in module order."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def global_expert_view(t: Tensor, mesh: ExpertParallelMesh, n_experts: int) -> DTensor:

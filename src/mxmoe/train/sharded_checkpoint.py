@@ -65,7 +65,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-from ..distributed.mesh import ExpertParallelMesh, expert_parameter_fqns, global_expert_view, local_tensor
+from ..distributed.ep import expert_parameter_names
+from ..distributed.mesh import ExpertParallelMesh, global_expert_view, local_tensor
 from .checkpoint import _fsync_dir, atomic_write_bytes
 
 SHARDED_CHECKPOINT_DIR = "checkpoint.dcp"
@@ -151,7 +152,7 @@ def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, mesh: ExpertPara
         does not exist yet (before the first step) is created as zeros, which is what
         AdamW's first step creates, so that a load has tensors to write into.
     """
-    experts = set(expert_parameter_fqns(model))
+    experts = set(expert_parameter_names(model))
 
     def view(name: str, t: Tensor) -> Tensor:
         return global_expert_view(t, mesh, n_experts) if name in experts else t
