@@ -24,7 +24,8 @@ sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
 
 # script -> seconds allowed for its smoke run (a busy 2-core CI machine; typical runs take a
-# third of this); expert_parallel starts five processes (torchrun, gloo) and is marked slow
+# third of this); expert_parallel starts five processes (torchrun, gloo) and is marked slow, as
+# fsdp_expert_parallel (one torchrun launch of 2 processes)
 SCRIPTS = {
     "quantize.py": 120,
     "grouped_mm.py": 120,
@@ -34,8 +35,9 @@ SCRIPTS = {
     "hf_model.py": 120,
     "cpu_train.py": 240,
     "expert_parallel.py": 240,
+    "fsdp_expert_parallel.py": 240,
 }
-SLOW = {"expert_parallel.py"}
+SLOW = {"expert_parallel.py", "fsdp_expert_parallel.py"}
 
 
 def test_every_script_has_a_smoke_test():

@@ -6,7 +6,9 @@
     mxmoe export CKPT OUT   write a checkpoint's weights as MXFP8 (or bf16) safetensors
     mxmoe eval SOURCE       validation loss of a checkpoint or an exported safetensors file
 
-Expert parallel: ``torchrun --nproc-per-node P -m mxmoe train --expert-parallel P ...``.
+Expert parallel: ``torchrun --nproc-per-node P -m mxmoe train --expert-parallel P ...``; on a
+2-D mesh (FSDP2 x expert parallel): ``torchrun --nproc-per-node D*P -m mxmoe train
+--data-parallel-shard D --expert-parallel P ...``.
 
 Every flag has a help text (``mxmoe train --help``). Bad flags stop with a message that
 names the value and what would work, before any model is built or any file is written
@@ -138,6 +140,15 @@ def add_train_arguments(p: argparse.ArgumentParser, *, compare: bool = False) ->
     g.add_argument("--expert-parallel", type=int, default=d.expert_parallel, metavar="P",
                    help="spread the experts over P ranks, one process each; --batch-size is the global batch "
                         "(default: %(default)s)")
+    g.add_argument("--data-parallel-shard", type=int, default=d.data_parallel_shard, metavar="D",
+                   help="run on a 2-D mesh of D data-parallel shards x --expert-parallel P ranks (torchrun "
+                        "--nproc-per-node D*P): FSDP2 shards the non-expert parameters over all ranks and each expert "
+                        "group's experts over D; sharded checkpoints (DCP) that resume on any mesh "
+                        "(docs/EXPERT_PARALLEL.md); 0: no mesh (default: %(default)s)")
+    g.add_argument("--mx-weight-gather", action="store_true",
+                   help="with --data-parallel-shard and an MXFP8 recipe: gather the expert weights as MXFP8 codes + "
+                        "scales (each rank quantizes its shard once per step; about half the bytes of bf16) instead "
+                        "of FSDP2's float32 all-gather")
     g.add_argument("--mx-dispatch", action="store_true",
                    help="send the dispatched rows as MXFP8 (E4M3 codes + E8M0 scales, about half the bytes of "
                         "bf16); without --expert-parallel, the same rounding in one process")
@@ -233,7 +244,8 @@ def _config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
         grad_clip=args.grad_clip, seed=args.seed, eval_interval=args.eval_interval, eval_batches=args.eval_batches,
         ckpt_interval=args.ckpt_interval, out_dir=args.out_dir, data=args.data, device=args.device,
         progress=not args.no_progress and sys.stderr.isatty(), overwrite=args.overwrite,
-        expert_parallel=args.expert_parallel, cuda_graph=not args.no_cuda_graph, max_bad_steps=args.max_bad_steps,
+        expert_parallel=args.expert_parallel, data_parallel_shard=args.data_parallel_shard,
+        mx_weight_gather=args.mx_weight_gather, cuda_graph=not args.no_cuda_graph, max_bad_steps=args.max_bad_steps,
         model=model,
     )
     cfg.validate()
@@ -276,7 +288,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = resolve_dtype_flag(args)
     if note and is_main_process():
         print(note, flush=True)
-    if args.expert_parallel == 1 and resolve_device(args.device).type == "cpu":
+    if args.expert_parallel == 1 and not args.data_parallel_shard and resolve_device(args.device).type == "cpu":
         note = set_threads_for_free_cores()
         if note:
             print(note, flush=True)

@@ -9,8 +9,12 @@
   clipping, gathering and loading checkpoints.
 - :mod:`.batch`: each rank's slice of the global batch, evaluation over the ranks.
 - :mod:`.launch`: process group from torchrun's environment.
+- :mod:`.mesh`: the 2-D DeviceMesh (data-parallel shard x expert parallel) and FSDP2
+  sharding (:func:`~mxmoe.distributed.mesh.init_mesh`, :func:`~mxmoe.distributed.mesh.shard_model`).
+- :mod:`.mx_gather`: all-gather of expert weight shards as MXFP8 codes + scales.
 
-The training loop that uses these (``mxmoe train --expert-parallel P``) is
+The training loop that uses these (``mxmoe train --expert-parallel P``, with
+``--data-parallel-shard D`` on the mesh) is
 :func:`mxmoe.train.train`, one loop for one process and for P ranks.
 """
 

@@ -388,6 +388,11 @@ class ExpertParallelMoELayer(nn.Module):
             operations on the same values, so the results are unchanged. Off with
             ``mx_backward`` in effect (that exchange packs its gradient). ``last_overlapped``
             says whether the last forward did.
+        batch_group: where the global batch spans several expert-parallel groups (the
+            data-parallel shard dimension of :mod:`mxmoe.distributed.mesh`), the group of
+            this rank's peers in the other groups: the global counts are summed over it
+            (one all-reduce of E ints), so the loss shares use the whole batch's counts.
+            None: the global batch is this group's.
 
     Forward: ``x`` (..., D) -> (y (..., D), :class:`~mxmoe.nn.moe.MoEAux`) like ``MoELayer``,
     except that ``aux_loss`` and ``z_loss`` are this rank's shares (their sum over the
@@ -406,8 +411,10 @@ class ExpertParallelMoELayer(nn.Module):
 
     def __init__(self, layer: MoELayer, group=None, mx_dispatch: bool | None = None,
                  comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                 capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True):
+                 capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True,
+                 batch_group=None):
         super().__init__()
+        self.batch_group = batch_group
         self.overlap = bool(overlap)
         self.last_overlapped: bool | None = None
         if mx_backward:
@@ -541,6 +548,8 @@ class ExpertParallelMoELayer(nn.Module):
         order_A = torch.argsort(experts_A, stable=True)
         counts_PE = gather_counts(tokens_per_expert(experts_A, E), self.group, self.comm_stats)
         counts_global_E = counts_PE.sum(dim=0)
+        if self.batch_group is not None:  # the global batch spans several expert-parallel groups
+            dist.all_reduce(counts_global_E, group=self.batch_group)  # on the device: no host sync
         C = dispatch_capacity(T, k, L, P, self.capacity_factor)
         N = P * C
         splits = [C] * P
@@ -574,6 +583,9 @@ class ExpertParallelMoELayer(nn.Module):
         recv_counts_PL = counts_PE[:, lo:hi]  # rows from each rank, per local expert
         recv_splits = recv_counts_PL.sum(dim=1).tolist()
         counts_global_E = counts_PE.sum(dim=0)
+        if self.batch_group is not None:  # the global batch spans several expert-parallel groups
+            counts_global_E = counts_global_E.to(device)
+            dist.all_reduce(counts_global_E, group=self.batch_group)
         tokens_global = int(counts_global_E.sum()) // k
         self.last_dropped_rows = torch.zeros((), dtype=torch.int64, device=device)
         # 2. dispatch (rows sorted by expert = grouped by destination rank, rank order)
@@ -616,14 +628,15 @@ class ExpertParallelMoELayer(nn.Module):
 
 def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
                   comm_stats: CommStats | None = None, dispatch: DispatchMode | str = DispatchMode.PADDED,
-                  capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True
-                  ) -> list[ExpertParallelMoELayer]:
+                  capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True,
+                  batch_group=None) -> list[ExpertParallelMoELayer]:
     """Replace every :class:`~mxmoe.nn.moe.MoELayer` inside ``model`` by an
     :class:`ExpertParallelMoELayer` holding this rank's experts (in place).
 
     Build ``model`` identically on every rank first (same seed), so that the replicated
-    parameters agree and the experts are those of the single-process model. ``dispatch``
-    and ``capacity_factor`` as :class:`ExpertParallelMoELayer`.
+    parameters agree and the experts are those of the single-process model. ``dispatch``,
+    ``capacity_factor``, ``mx_backward``, ``overlap`` and ``batch_group`` as
+    :class:`ExpertParallelMoELayer`.
 
     Returns:
         The new layers, in module order.
@@ -636,7 +649,7 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
                 ep = ExpertParallelMoELayer(child, group, mx_dispatch, comm_stats, dispatch, capacity_factor,
-                                            mx_backward, overlap)
+                                            mx_backward, overlap, batch_group)
                 setattr(module, child_name, ep)
                 layers.append(ep)
     return layers

@@ -78,12 +78,15 @@ def resolve_rank_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_expert_parallel(expert_parallel: int, device: str = "auto") -> DistEnv:
-    """Start (or join) the default process group for ``expert_parallel`` ranks.
+def init_expert_parallel(expert_parallel: int, device: str = "auto", data_parallel_shard: int = 0) -> DistEnv:
+    """Start (or join) the default process group for ``expert_parallel`` ranks (or, with
+    ``data_parallel_shard`` D >= 1, the D x P ranks of a 2-D mesh, :mod:`.mesh`).
 
     Args:
-        expert_parallel: P, must equal torchrun's WORLD_SIZE.
+        expert_parallel: P; P (or D x P) must equal torchrun's WORLD_SIZE.
         device: "auto", "cpu" or "cuda" (:func:`resolve_rank_device`).
+        data_parallel_shard: D of a 2-D mesh run; 0: no mesh (the expert-parallel group is
+            the whole world).
 
     Returns:
         :class:`DistEnv`. If a default group exists already (a caller initialized it),
@@ -91,8 +94,11 @@ def init_expert_parallel(expert_parallel: int, device: str = "auto") -> DistEnv:
 
     Raises:
         ValueError: not launched by torchrun (environment variables missing), WORLD_SIZE
-            differs from ``expert_parallel``, or a bad device.
+            differs from ``expert_parallel`` (times ``data_parallel_shard``), or a bad device.
     """
+    ranks = expert_parallel * max(1, data_parallel_shard)
+    flags = (f"--data-parallel-shard {data_parallel_shard} --expert-parallel {expert_parallel}" if data_parallel_shard
+             else f"--expert-parallel {expert_parallel}")
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -100,12 +106,14 @@ def init_expert_parallel(expert_parallel: int, device: str = "auto") -> DistEnv:
     else:
         missing = [v for v in TORCHRUN_ENV if v not in os.environ]
         if missing:
-            raise ValueError(f"--expert-parallel {expert_parallel} runs one process per rank: launch with "
-                             f"`torchrun --nproc-per-node {expert_parallel} -m mxmoe train --expert-parallel "
-                             f"{expert_parallel} ...` (environment lacks {', '.join(missing)})")
+            raise ValueError(f"{flags} runs one process per rank: launch with `torchrun --nproc-per-node {ranks} -m "
+                             f"mxmoe train {flags} ...` (environment lacks {', '.join(missing)})")
         world, rank, local_rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         owns = True
-    if world != expert_parallel:
+    if data_parallel_shard and world != ranks:
+        raise ValueError(f"{world} processes were launched but the mesh {flags} has {ranks} ranks; use torchrun "
+                         f"--nproc-per-node {ranks}, or a mesh whose product is {world}")
+    if not data_parallel_shard and world != expert_parallel:
         raise ValueError(f"{world} processes were launched but --expert-parallel is {expert_parallel}; "
                          f"use torchrun --nproc-per-node {expert_parallel} (the expert-parallel group is the "
                          f"whole world; data parallelism across groups is not implemented)")

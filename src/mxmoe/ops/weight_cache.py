@@ -101,6 +101,31 @@ class WeightCopyCache:
         """Frees every copy (the counters stay)."""
         self._entries.clear()
 
+    def put(self, w: Tensor, recipe: Recipe, out_dtype: torch.dtype, copies: dict[int, Tensor]) -> None:
+        """Hold ``copies`` ({FWD_DIM or DGRAD_DIM: tensor of w's shape in ``out_dtype``}) as
+        ``w``'s copies under ``recipe``, made elsewhere: the caller vouches that each equals
+        what :meth:`copies` would make from ``w`` (an expert weight gathered as MXFP8 codes
+        and scales, :mod:`mxmoe.distributed.mx_gather`, whose ``w`` holds only the forward
+        copy's values, from which the dgrad copy could not be made again).
+
+        Raises:
+            ValueError: a key other than FWD_DIM / DGRAD_DIM, or a copy of another shape or dtype.
+        """
+        for dim, c in copies.items():
+            if dim not in (FWD_DIM, DGRAD_DIM) or c.shape != w.shape or c.dtype != out_dtype:
+                raise ValueError(f"a weight copy must be keyed FWD_DIM or DGRAD_DIM and have the weight's shape "
+                                 f"{tuple(w.shape)} and dtype {out_dtype}; got {dim}: {tuple(c.shape)} {c.dtype}")
+        key = (id(w), recipe.quantize, recipe.fmt, recipe.scale_mode, recipe.block_size, recipe.backend, out_dtype)
+        entries = self._entries
+
+        def drop(ref: weakref.ref, key: tuple = key) -> None:
+            if (e := entries.get(key)) is not None and e.ref is ref:
+                del entries[key]
+
+        entry = _Entry(weakref.ref(w, drop), w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.stride())
+        entry.copies.update(copies)
+        entries[key] = entry
+
     def copies(self, w: Tensor, recipe: Recipe, out_dtype: torch.dtype, dims: tuple[int, ...]) -> tuple[Tensor, ...]:
         """The copies of ``w`` blocked along each of ``dims`` (FWD_DIM, DGRAD_DIM), made
         on a miss (both from one read when both are missing) and kept."""

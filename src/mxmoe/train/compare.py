@@ -239,10 +239,10 @@ def run_compare(cfg: TrainConfig, recipes: tuple[str, ...], out_root: str | Path
     if not recipes:
         raise ValueError("no recipes given; pass --recipes such as bf16,mxfp8")
     parse_recipes(",".join(recipes))
-    if cfg.expert_parallel > 1:
+    if cfg.expert_parallel > 1 or cfg.data_parallel_shard:
         raise ValueError(f"mxmoe compare trains each recipe in one process and cannot launch --expert-parallel "
-                         f"{cfg.expert_parallel}; run `torchrun ... mxmoe train --expert-parallel "
-                         f"{cfg.expert_parallel}` once per recipe instead")
+                         f"{cfg.expert_parallel} / --data-parallel-shard {cfg.data_parallel_shard}; run `torchrun ... "
+                         f"mxmoe train` with those flags once per recipe instead")
     if corpus is None:
         corpus = load_corpus(cfg.data)
     for recipe in recipes:

@@ -49,7 +49,8 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import atomic_write_bytes, resolve_checkpoint_path
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, resolve_checkpoint_path
+from .sharded_checkpoint import has_sharded_checkpoint
 from .data import eval_batches, load_corpus
 from .trainer import MAX_EVAL_TOKENS, TrainConfig, check_model_state, evaluate, resolve_device
 from .trainer import load_training_checkpoint as load_checkpoint_of_run
@@ -252,7 +253,10 @@ def load_export(path: str | Path) -> Source:
 
 
 def load_source(path: str | Path) -> Source:
-    """A run directory, checkpoint.pt or exported safetensors file (told apart by content)."""
+    """A run directory (its checkpoint.pt, or the sharded checkpoint of a 2-D mesh run),
+    checkpoint.pt or exported safetensors file (told apart by content)."""
+    if has_sharded_checkpoint(path) and not (Path(path) / CHECKPOINT_NAME).exists():  # a 2-D mesh run's directory
+        return load_training_checkpoint(path)
     resolved = resolve_checkpoint_path(path)
     return load_export(resolved) if is_safetensors(resolved) else load_training_checkpoint(resolved)
 

@@ -20,6 +20,7 @@ import fcntl
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -29,11 +30,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from ..distributed.batch import evaluate_expert_parallel, rank_slice
 from ..distributed.ep import shard_experts
 from ..distributed.launch import DistEnv, init_expert_parallel
+from ..distributed.mesh import ExpertParallelMesh, init_mesh, shard_model
 from ..distributed.sync import gather_state, load_sharded_model_state
 from ..models import ModelConfig, MoETransformer, build_model
 from ..recipe import BACKENDS, RECIPES, get_recipe
@@ -50,6 +53,17 @@ from .checkpoint import (
     write_json,
 )
 from .data import Corpus, eval_batches, load_corpus, random_batch
+from .fsdp_step import FSDPExpertParallelStep
+from .sharded_checkpoint import (
+    SHARDED_CHECKPOINT_DIR,
+    has_sharded_checkpoint,
+    load_sharded_checkpoint,
+    local_state,
+    read_whole_model_state,
+    read_sharded_checkpoint,
+    save_sharded_checkpoint,
+    sharded_state,
+)
 from .step import ExpertParallelStep, TrainStep
 
 METRICS_NAME = "metrics.jsonl"
@@ -112,6 +126,15 @@ class TrainConfig:
         expert_parallel: P > 1 spreads the experts over P ranks (run under torchrun, one
             process per rank; :mod:`mxmoe.distributed`); each rank takes batch_size / P
             sequences of every batch (batch_size is the global batch).
+        data_parallel_shard: D >= 1 runs on the 2-D mesh (D data-parallel shards x
+            ``expert_parallel`` P, :mod:`mxmoe.distributed.mesh`) under torchrun with D x P
+            processes: FSDP2 shards the non-expert parameters over all ranks and each expert
+            group's experts over D; checkpoints are sharded (DCP,
+            :mod:`mxmoe.train.sharded_checkpoint`) and resume on any mesh. 0 (default): no
+            mesh; ``expert_parallel`` P > 1 then replicates the non-expert parameters.
+        mx_weight_gather: on the mesh, under a quantizing recipe, gather the expert weights
+            as MXFP8 codes + scales (each rank quantizes its shard once per step) instead of
+            letting FSDP2 gather the float32 weights (:mod:`mxmoe.distributed.mx_gather`).
         cuda_graph: on a CUDA device, replay each step from a CUDA graph after the first
             (:mod:`mxmoe.train.step`: removes the host's launch cost, which bounds small
             models; AdamW then runs with ``capturable=True``). Ignored on the CPU and in
@@ -143,6 +166,8 @@ class TrainConfig:
     progress: bool = True
     overwrite: bool = False
     expert_parallel: int = 1
+    data_parallel_shard: int = 0
+    mx_weight_gather: bool = False
     cuda_graph: bool = True
     max_bad_steps: int = 5
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -209,6 +234,25 @@ class TrainConfig:
         if self.model.hf_config is not None and self.expert_parallel > 1:
             _bad(f"--expert-parallel {self.expert_parallel} runs mxmoe's own MoE layer; a transformers model "
                  f"(--hf-config) trains in one process: use --expert-parallel 1")
+        D = self.data_parallel_shard
+        if isinstance(D, bool) or not isinstance(D, int) or D < 0:
+            _bad(f"data_parallel_shard must be an integer >= 0 (0: no mesh), got {D!r}")
+        if D:
+            ranks = D * self.expert_parallel
+            if self.model.hf_config is not None:
+                _bad(f"--data-parallel-shard {D} runs mxmoe's own MoE layer; a transformers model (--hf-config) trains "
+                     f"in one process")
+            if self.model.n_experts % ranks:
+                _bad(f"--experts {self.model.n_experts} do not split over the mesh --data-parallel-shard {D} x "
+                     f"--expert-parallel {self.expert_parallel} = {ranks} ranks (each rank's FSDP2 shard holds whole "
+                     f"experts); use a number of experts divisible by {ranks}")
+            if self.batch_size % ranks:
+                _bad(f"--batch-size {self.batch_size} does not split over the mesh --data-parallel-shard {D} x "
+                     f"--expert-parallel {self.expert_parallel} = {ranks} ranks; use a multiple of {ranks} (the global "
+                     f"batch)")
+        if self.mx_weight_gather and not (D and RECIPES[self.recipe].quantize):
+            _bad(f"--mx-weight-gather gathers expert weights as MXFP8 on the mesh: it needs --data-parallel-shard D >= 1 "
+                 f"and a quantizing recipe (mxfp8, ...), got --data-parallel-shard {D} and recipe {self.recipe!r}")
         if self.model.n_experts % self.expert_parallel:
             _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
                  f"ranks; use a number of experts divisible by {self.expert_parallel}")
@@ -310,10 +354,17 @@ def default_activation_dtype(device: torch.device) -> tuple[str, str]:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms."""
+    """AdamW; weight decay on matrices and expert tensors (dim >= 2), none on norms. A
+    group holding both FSDP2 DTensors and plain tensors (experts gathered as MXFP8) is
+    split in two, DTensors first (the foreach kernels take one kind per list)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        parts = [dtensors, plain] if dtensors and plain else [params]
+        groups += [{"params": part, "weight_decay": wd} for part in parts]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=False, foreach=True)
 
 
@@ -376,7 +427,8 @@ class PreparedRun(NamedTuple):
 
 def holds_run(out: Path) -> bool:
     """``out`` has a run's metrics or checkpoint in it."""
-    return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists()
+    return (Path(out) / METRICS_NAME).exists() or (Path(out) / CHECKPOINT_NAME).exists() \
+        or has_sharded_checkpoint(out)
 
 
 _MISSING = object()
@@ -422,7 +474,9 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
     ``export``: :func:`~mxmoe.train.checkpoint.load_checkpoint` (weights_only, checksums),
     then its structure, its settings and its model weights against the model of those
     settings (names and shapes), so that a file that would fail later fails here, in one
-    line naming it.
+    line naming it. A run directory holding the sharded checkpoint of a 2-D mesh run (and
+    no checkpoint.pt) gives its whole model, read in this one process (its checksums
+    checked; no optimizer state: ``{}``), and the step directory as the file.
 
     Args:
         path: a run directory or its checkpoint.pt.
@@ -435,6 +489,8 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
         ValueError: a directory, an unreadable or foreign file, a damaged one, or one
             whose structure, settings or weights are not those of an mxmoe run.
     """
+    if has_sharded_checkpoint(path) and not (Path(path) / CHECKPOINT_NAME).exists():
+        return _load_sharded_for_one_process(Path(path))
     file = resolve_checkpoint_path(path)
     ckpt = load_checkpoint(file)
     check_training_checkpoint(file, ckpt)
@@ -446,6 +502,23 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
                          f"{' '.join(str(e).split())[:200]})") from None
     check_model_state(file, ckpt["model"], cfg.model)
     return file, ckpt, cfg
+
+
+def _load_sharded_for_one_process(out: Path) -> tuple[Path, dict[str, Any], TrainConfig]:
+    """:func:`load_training_checkpoint` of a run directory holding the sharded checkpoint of
+    a 2-D mesh run: the whole model (experts of every rank) in one process; no optimizer
+    state (``eval`` and ``export`` read the model only)."""
+    checkpoint, cfg = load_sharded_resume(out)
+    step_dir = checkpoint["sharded_dir"]
+    with torch.device("meta"):
+        ref = build_model(cfg.model, get_recipe("bf16"))
+    state = read_whole_model_state(step_dir, {k: v.shape for k, v in ref.state_dict().items()})
+    name = nonfinite_state(state, {})
+    if name is not None:
+        raise ValueError(f"{str(step_dir)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
+                         f"evaluated or exported: use an earlier checkpoint or train anew")
+    ckpt = {"step": checkpoint["step"], "model": state, "optimizer": {}, "train_config": checkpoint["train_config"]}
+    return step_dir, ckpt, cfg
 
 
 def check_model_state(path: Path, state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
@@ -477,6 +550,33 @@ def _check_ranks(cfg: TrainConfig, checkpoint: dict, out: Path) -> None:
         raise ValueError(f"the checkpoint in {str(out)!r} was written with --expert-parallel {saved_p}, this run has "
                          f"--expert-parallel {cfg.expert_parallel}: resume on the same number of ranks (the optimizer "
                          f"state is stored per rank)")
+
+
+def load_sharded_resume(out: Path) -> tuple[dict[str, Any], TrainConfig]:
+    """The sharded checkpoint of a 2-D mesh run in ``out`` (its files checked against their
+    checksums, :func:`~mxmoe.train.sharded_checkpoint.read_sharded_checkpoint`) as the
+    checkpoint dict the resume reads (``step``, ``train_config``, the corpus hash and
+    ``sharded_dir``, the step directory), and its settings.
+
+    Raises:
+        FileNotFoundError: none there. ValueError: damaged, or settings this mxmoe cannot use.
+    """
+    if not has_sharded_checkpoint(out) and (out / CHECKPOINT_NAME).exists():
+        raise ValueError(f"{str(out)!r} holds a single-file checkpoint ({CHECKPOINT_NAME}), not the sharded checkpoint "
+                         f"of a 2-D mesh run: resume it without --data-parallel-shard (on the --expert-parallel it "
+                         f"was written with)")
+    step_dir, latest = read_sharded_checkpoint(out)
+    try:
+        saved = TrainConfig.from_dict(latest["train_config"])
+        saved.validate()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(step_dir)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    checkpoint = {"step": latest["step"], "train_config": latest["train_config"], "sharded_dir": step_dir,
+                  "mesh": latest.get("mesh")}
+    if isinstance(latest.get(DATA_HASH_KEY), str):
+        checkpoint[DATA_HASH_KEY] = latest[DATA_HASH_KEY]
+    return checkpoint, saved
 
 
 def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> PreparedRun:
@@ -511,8 +611,15 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
     checkpoint = None
     data_sha256 = corpus.fingerprint()
     if resume:
-        _, checkpoint, saved = load_training_checkpoint(out)
-        _check_ranks(cfg, checkpoint, out)
+        if cfg.data_parallel_shard:
+            checkpoint, saved = load_sharded_resume(out)
+        else:
+            if has_sharded_checkpoint(out) and not (out / CHECKPOINT_NAME).exists():
+                raise ValueError(f"{str(out)!r} holds a sharded checkpoint ({SHARDED_CHECKPOINT_DIR}) of a 2-D mesh run: "
+                                 f"resume it with --data-parallel-shard D --expert-parallel P under torchrun (any mesh; "
+                                 f"one process: --data-parallel-shard 1 --expert-parallel 1)")
+            _, checkpoint, saved = load_training_checkpoint(out)
+            _check_ranks(cfg, checkpoint, out)
         # the corpus by its tokens when the checkpoint has their hash (the path may be
         # spelled differently, or name another file), else by the --data text
         by_tokens = isinstance(checkpoint.get(DATA_HASH_KEY), str)
@@ -520,7 +627,8 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
             raise ValueError(f"--data {cfg.data!r} holds other tokens than the corpus the checkpoint in {str(out)!r} "
                              f"was trained on (--data {saved.data!r} then; {corpus.describe()} now): resume with that "
                              f"corpus, or start a new run in another --out-dir")
-        may_change = RESUME_MAY_CHANGE + (("data",) if by_tokens else ())
+        may_change = RESUME_MAY_CHANGE + (("data",) if by_tokens else ()) \
+            + (("expert_parallel", "data_parallel_shard") if cfg.data_parallel_shard else ())  # any mesh
         mismatched = [(k, a, b) for k, a, b in _settings_diff(saved.to_dict(), cfg.to_dict())
                       if k not in may_change]
         if mismatched:
@@ -553,6 +661,14 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
       checkpoint holds the whole model in the single-process format (every rank's experts
       gathered) and one optimizer state per rank; it resumes on the same P only.
 
+    With ``cfg.data_parallel_shard = D >= 1`` it runs on the 2-D mesh of D x P ranks
+    (:mod:`mxmoe.distributed.mesh`): FSDP2 shards the parameters
+    (:func:`~mxmoe.distributed.mesh.shard_model`), rank r takes sequences r*B/W ..
+    (r+1)*B/W - 1 of W = D x P, every step is a
+    :class:`~mxmoe.train.fsdp_step.FSDPExpertParallelStep`, and checkpoints are sharded
+    (:mod:`mxmoe.train.sharded_checkpoint`): every rank writes its shards, and they
+    resume on any mesh.
+
     Args:
         cfg: the run's configuration (validated here, before any work).
         resume: continue from ``out_dir/checkpoint.pt`` (same configuration required).
@@ -572,10 +688,19 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             the message names the step and the last checkpoint written.
     """
     cfg.validate()
+    if cfg.data_parallel_shard:
+        env = init_expert_parallel(cfg.expert_parallel, cfg.device, cfg.data_parallel_shard)
+        mesh = init_mesh(cfg.data_parallel_shard, cfg.expert_parallel, env.device.type)
+        result = _train(cfg, resume, corpus, env.device, env, mesh)
+        if env.owns_group:
+            dist.barrier()
+            dist.destroy_process_group()
+        return result
     if cfg.expert_parallel == 1:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but --expert-parallel 1; pass "
-                             f"--expert-parallel {os.environ['WORLD_SIZE']} (data parallelism is not implemented)")
+                             f"--expert-parallel {os.environ['WORLD_SIZE']}, or a mesh --data-parallel-shard D --expert-parallel P "
+                             f"with D x P = {os.environ['WORLD_SIZE']}")
         return _train(cfg, resume, corpus, resolve_device(cfg.device), None)
     env = init_expert_parallel(cfg.expert_parallel, cfg.device)
     result = _train(cfg, resume, corpus, env.device, env)  # on an error the process exits (torchrun stops the others)
@@ -611,7 +736,7 @@ def check_model_fits(cfg: TrainConfig, device: torch.device) -> None:
         ValueError: naming the parameter count, the bytes needed and the memory there is.
     """
     params = cfg.model.parameter_count()
-    need = params * TRAIN_BYTES_PER_PARAMETER / max(1, cfg.expert_parallel)
+    need = params * TRAIN_BYTES_PER_PARAMETER / (max(1, cfg.expert_parallel) * max(1, cfg.data_parallel_shard))
     if device.type == "cuda":
         have, where = torch.cuda.get_device_properties(device).total_memory, f"the GPU {device}"
     else:
@@ -658,7 +783,7 @@ def out_dir_lock(out: Path, enabled: bool = True):
 
 
 def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.device,
-           env: DistEnv | None) -> TrainResult:
+           env: DistEnv | None, mesh: ExpertParallelMesh | None = None) -> TrainResult:
     """The training loop of :func:`train` on ``device``: one process (``env`` None) or one
     rank of an expert-parallel group (``env``); rank 0 holds the out-dir lock."""
     check_backend_device(cfg, device)
@@ -669,11 +794,13 @@ def _train(cfg: TrainConfig, resume: bool, corpus: Corpus | None, device: torch.
         if main and not resume and not cfg.overwrite and holds_run(prepared.out):  # written since the check
             raise ValueError(f"--out-dir {str(prepared.out)!r} now holds a run (written by another process); pass "
                              f"another --out-dir")
-        return _train_locked(cfg, device, env, prepared)
+        return _train_locked(cfg, device, env, prepared, mesh)
 
 
-def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, prepared: PreparedRun) -> TrainResult:
+def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, prepared: PreparedRun,
+                  mesh: ExpertParallelMesh | None = None) -> TrainResult:
     P, rank = cfg.expert_parallel, env.rank if env is not None else 0
+    ranks = env.world_size if env is not None else 1  # the global batch splits over all of them
     main = rank == 0
     progress = cfg.progress and main
     out, corpus, val_sets, train_eval_sets, checkpoint, data_sha256 = prepared
@@ -686,14 +813,20 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     model = build_model(cfg.model, get_recipe(cfg.recipe, backend=cfg.quant_backend))
     params = model.num_params()  # of the whole model (before the experts are spread)
     flops = model.flops_per_token(cfg.seq_len)
-    if env is not None:
-        shard_experts(model)  # RNG untouched: every rank's replicated parameters stay equal
-    model = model.to(device)
+    if mesh is not None:
+        model = model.to(device)
+        shard_model(model, mesh, mx_weight_gather=cfg.mx_weight_gather)  # RNG untouched
+    else:
+        if env is not None:
+            shard_experts(model)  # RNG untouched: every rank's replicated parameters stay equal
+        model = model.to(device)
     opt = make_optimizer(model, cfg)
     start_step = 0
     trimmed = None
     if checkpoint is not None:
-        if env is None:
+        if mesh is not None:  # any mesh: each rank reads its parts of the global tensors
+            load_sharded_checkpoint(checkpoint["sharded_dir"], sharded_state(model, opt, mesh, cfg.model.n_experts))
+        elif env is None:
             model.load_state_dict(checkpoint["model"])
             load_optimizer_state(opt, checkpoint["optimizer"], out / CHECKPOINT_NAME)
         else:
@@ -705,6 +838,7 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     elif main:  # a new run in an old directory (--overwrite): the old run's log and checkpoint go
         (out / METRICS_NAME).unlink(missing_ok=True)
         (out / CHECKPOINT_NAME).unlink(missing_ok=True)  # else a resume or eval would read the old weights
+        shutil.rmtree(out / SHARDED_CHECKPOINT_DIR, ignore_errors=True)
 
     if main:
         run_info = {
@@ -712,7 +846,13 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
             "torch": torch.__version__, "flops_per_token": flops,
         }
         where = f"device {device}"
-        if env is not None:
+        if mesh is not None:
+            run_info["expert_parallel"] = {"ranks": ranks, "backend": env.backend,
+                                           "experts_per_rank": cfg.model.n_experts // P,
+                                           "mesh": {"dp_shard": mesh.dp_shard, "ep": mesh.ep}}
+            where = (f"mesh {mesh.shape_text} (dp_shard x ep, FSDP2, {env.backend}, {cfg.model.n_experts // P} experts "
+                     f"per expert-parallel rank{', MXFP8 dispatch' if cfg.model.mx_dispatch else ''}) | {where}")
+        elif env is not None:
             run_info["expert_parallel"] = {"ranks": P, "backend": env.backend,
                                            "experts_per_rank": cfg.model.n_experts // P}
             where = (f"expert parallel {P} ({env.backend}, {cfg.model.n_experts // P} experts per rank"
@@ -748,7 +888,8 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     def save(step: int) -> None:
         # a checkpoint with a non-finite value would replace the last good one: refuse it
         # (every rank checks its own parameters and AdamW state; over P ranks they agree)
-        where = nonfinite_state(model.state_dict(), opt.state_dict())
+        where = nonfinite_state(*(local_state(model, opt) if mesh is not None else (model.state_dict(),
+                                                                                    opt.state_dict())))
         if env is not None:
             flag = torch.tensor([0.0 if where is None else 1.0], device=device)
             dist.all_reduce(flag)
@@ -756,6 +897,12 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
         if where is not None:  # updates are skipped on non-finite gradients: nothing would repair it
             raise FloatingPointError(f"not writing the checkpoint of step {step}: {where} holds NaN or inf; "
                                      f"{_last_good(out, last_ckpt[0])}; lower --lr or check the data")
+        if mesh is not None:
+            save_sharded_checkpoint(out, sharded_state(model, opt, mesh, cfg.model.n_experts),
+                                    {"train_config": cfg.to_dict(), DATA_HASH_KEY: data_sha256,
+                                     "mesh": [mesh.dp_shard, mesh.ep]}, step)
+            last_ckpt[0] = step
+            return
         if env is None:
             save_checkpoint(out, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                   "train_config": cfg.to_dict(), "expert_parallel": P, DATA_HASH_KEY: data_sha256})
@@ -773,7 +920,10 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     def log(msg: str) -> None:
         _log(msg, progress)
 
-    if env is None:
+    if mesh is not None:
+        train_step = FSDPExpertParallelStep(model, opt, cfg.grad_clip, device, tokens_per_step, cfg.model.aux_loss_coef,
+                                            cfg.model.z_loss_coef, log=log, weight_cache=cfg.mx_weight_gather)
+    elif env is None:
         train_step = TrainStep(model, opt, cfg.grad_clip, device, cfg.cuda_graph, log=log)
     else:
         train_step = ExpertParallelStep(model, opt, cfg.grad_clip, tokens_per_step, cfg.model.aux_loss_coef,
@@ -792,7 +942,7 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
         gen = torch.Generator().manual_seed(cfg.seed * _SEED_STRIDE + step)
         x, y = random_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
         if env is not None:
-            x, y = rank_slice(x, rank, P), rank_slice(y, rank, P)
+            x, y = rank_slice(x, rank, ranks), rank_slice(y, rank, ranks)
         lr = lr_at(step, cfg)
         outs = train_step(x, y, lr)
         loss = outs.ce_loss.item()  # synchronizes: the step is done
@@ -853,7 +1003,8 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
 def _last_good(out: Path, step: int | None) -> str:
     if step is None:
         return "no checkpoint was written"
-    return f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {step})"
+    name = SHARDED_CHECKPOINT_DIR if has_sharded_checkpoint(out) else CHECKPOINT_NAME
+    return f"the last good checkpoint is {out / name} (step {step})"
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict, path) -> None:
