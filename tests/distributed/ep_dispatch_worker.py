@@ -19,10 +19,8 @@ counted (:data:`CUDA_CHECKED_PACKAGES` says why).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from mxmoe.distributed import CommStats, ExpertParallelMoELayer, dispatch_capaci
 from mxmoe.distributed.sync import all_reduce_grads, split_parameters
 from mxmoe.nn.moe import MoELayer, routed_experts
 from mxmoe.recipe import get_recipe
+from ranks import worker_main
 
 D, E, K, F, TOKENS_PER_RANK = 64, 8, 2, 32, 40
 AUX_COEF, Z_COEF = 0.01, 0.001
@@ -299,34 +298,21 @@ def case_overlap(dispatch: str) -> dict:
             and sorted(grads) == sorted(grads2) and all(torch.equal(grads[n], grads2[n]) for n in grads)}
 
 
-def main() -> int:
-    task = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(task["out"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def checks(task: dict, out: Path) -> dict:
     result: dict = {}
-    try:
-        result["modes_mxfp8"] = case_modes("mxfp8", False, 16)
-        result["modes_mxfp8_mx_dispatch"] = case_modes("mxfp8", True, 0)
-        result["modes_bf16"] = case_modes("bf16", False, 0)
-        result["skewed_exact"] = case_skewed(None)
-        result["skewed_capacity"] = case_skewed(0.75)
-        result["mx_backward_frozen_w2"] = case_mx_backward("mxfp8", True)
-        result["mx_backward_floor_frozen_w2"] = case_mx_backward("mxfp8-floor", True)
-        result["mx_backward_trained_w2"] = case_mx_backward("mxfp8", False)
-        result["overlap_padded"] = case_overlap("padded")
-        result["overlap_host_splits"] = case_overlap("host-splits")
-        result["mx_row_bytes"] = mx_row_bytes(D, 32)
-    except Exception:
-        result["error"] = traceback.format_exc()
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-        os._exit(1)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    result["modes_mxfp8"] = case_modes("mxfp8", False, 16)
+    result["modes_mxfp8_mx_dispatch"] = case_modes("mxfp8", True, 0)
+    result["modes_bf16"] = case_modes("bf16", False, 0)
+    result["skewed_exact"] = case_skewed(None)
+    result["skewed_capacity"] = case_skewed(0.75)
+    result["mx_backward_frozen_w2"] = case_mx_backward("mxfp8", True)
+    result["mx_backward_floor_frozen_w2"] = case_mx_backward("mxfp8-floor", True)
+    result["mx_backward_trained_w2"] = case_mx_backward("mxfp8", False)
+    result["overlap_padded"] = case_overlap("padded")
+    result["overlap_host_splits"] = case_overlap("host-splits")
+    result["mx_row_bytes"] = mx_row_bytes(D, 32)
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(checks))

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,8 +25,9 @@ from mxmoe.distributed.sync import all_reduce_grads, split_parameters
 from mxmoe.models import ModelConfig, MoETransformer
 from mxmoe.nn.moe import MoELayer
 from mxmoe.recipe import get_recipe
-from mxmoe.train import TrainConfig, load_checkpoint, train, trainer
+from mxmoe.train import TrainConfig, load_checkpoint, train
 from mxmoe.train.checkpoint import save_checkpoint
+from ranks import interrupted_run, worker_main
 
 # layer shapes: D not a multiple of 32 (padded MX blocks), E divisible by 2 and 4
 D, E, K, F, TOKENS_PER_RANK = 40, 8, 2, 24, 37
@@ -190,20 +190,7 @@ def train_checks(tmp: Path, data: str, runs: list[list[str]], steps: int, resume
     # latest), then resumed: the same metrics as the uninterrupted run
     recipe, dtype = runs[0]
     cfg = tiny_train_config(tmp / "ep_resume", data, P, recipe, dtype=dtype, steps=steps)
-    real_lr_at = trainer.lr_at
-
-    def stop_at_5(step, c):
-        if step == 5:
-            raise KeyboardInterrupt
-        return real_lr_at(step, c)
-
-    trainer.lr_at = stop_at_5
-    try:
-        train(cfg)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        trainer.lr_at = real_lr_at
+    interrupted_run(train, cfg)
     res["interrupted_at_step"] = load_checkpoint(tmp / "ep_resume")["step"]
     train(cfg, resume=True)
     if rank == 0:
@@ -229,27 +216,14 @@ def train_checks(tmp: Path, data: str, runs: list[list[str]], steps: int, resume
     return res
 
 
-def main() -> int:
-    task = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(task["out"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def checks(task: dict, out: Path) -> dict:
     result: dict = {}
-    try:
-        if "layer" in task["checks"]:
-            result["layer"] = layer_checks()
-        if "train" in task["checks"]:
-            result["train"] = train_checks(out / "runs", task["data"], task["runs"], task["steps"], task["resume"])
-    except Exception:
-        result["error"] = traceback.format_exc()
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-        os._exit(1)  # do not wait in collectives the other ranks will never join
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    if "layer" in task["checks"]:
+        result["layer"] = layer_checks()
+    if "train" in task["checks"]:
+        result["train"] = train_checks(out / "runs", task["data"], task["runs"], task["steps"], task["resume"])
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(checks))

@@ -11,17 +11,16 @@ check the MXFP8 weight all-gather. Results (metrics lines, measured differences)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from mxmoe.models import ModelConfig
-from mxmoe.train import TrainConfig, train, trainer
+from mxmoe.train import TrainConfig, train
+from ranks import interrupted_run, worker_main
 
 
 def tiny_config(out: Path, data: str, recipe: str, dtype: str, mesh: list[int], steps: int,
@@ -39,23 +38,6 @@ def tiny_config(out: Path, data: str, recipe: str, dtype: str, mesh: list[int], 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-
-def interrupted_run(cfg: TrainConfig) -> None:
-    """Train ``cfg`` and stop every rank right after step 4 (the step-3 checkpoint is the latest)."""
-    real_lr_at = trainer.lr_at
-
-    def stop_at_5(step, c):
-        if step == 5:
-            raise KeyboardInterrupt
-        return real_lr_at(step, c)
-
-    trainer.lr_at = stop_at_5
-    try:
-        train(cfg)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        trainer.lr_at = real_lr_at
 
 
 def _wide_range_experts(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -198,7 +180,7 @@ def train_checks(tmp: Path, data: str, task: dict) -> dict:
         recipe, dtype = spec["run"]
         source = Path(spec["source"]) if "source" in spec else tmp / f"interrupted_{mesh_name(spec['write'])}"
         if "source" not in spec:
-            interrupted_run(tiny_config(source, data, recipe, dtype, spec["write"], task["steps"]))
+            interrupted_run(train, tiny_config(source, data, recipe, dtype, spec["write"], task["steps"]))
         for mesh in spec["resume_on"]:
             target = tmp / f"resumed_{source.name}_on_{mesh_name(mesh)}"
             if rank == 0:
@@ -214,27 +196,14 @@ def train_checks(tmp: Path, data: str, task: dict) -> dict:
     return res
 
 
-def main() -> int:
-    task = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(task["out"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def checks(task: dict, out: Path) -> dict:
     result: dict = {}
-    try:
-        if task.get("mx_gather"):
-            result["mx_gather"] = mx_gather_checks()
-            result["mx_weight_gather_layer"] = mx_weight_gather_layer_check()
-        result["train"] = train_checks(out / "runs", task["data"], task)
-    except Exception:
-        result["error"] = traceback.format_exc()
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-        os._exit(1)  # do not wait in collectives the other ranks will never join
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    if task.get("mx_gather"):
+        result["mx_gather"] = mx_gather_checks()
+        result["mx_weight_gather_layer"] = mx_weight_gather_layer_check()
+    result["train"] = train_checks(out / "runs", task["data"], task)
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(checks))

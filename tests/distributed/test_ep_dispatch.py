@@ -25,13 +25,10 @@ some (the check can fail).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_dispatch_worker.py"
@@ -41,48 +38,12 @@ TOKENS, K, D, E = 40, 2, 64, 8
 MODES = ["modes_mxfp8", "modes_mxfp8_mx_dispatch", "modes_bf16"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def group(request, tmp_path_factory):
     P = request.param
     out = tmp_path_factory.mktemp(f"epd{P}")
     (out / "task.json").write_text(json.dumps({"out": str(out)}))
-    port = _free_port()
-    procs, logs = [], []
-    for r in range(P):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(P), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env.pop("TRITON_INTERPRET", None)
-        log = open(out / f"rank{r}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out / "task.json")], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    try:
-        for p in procs:
-            p.wait(timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    results = []
-    for r in range(P):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} of {P} wrote no results; log:\n" + (out / f"rank{r}.log").read_text()[-4000:])
-        res = json.loads(path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {r} of {P} failed:\n{res['error']}")
-        results.append(res)
+    results = run_ranks(WORKER, out / "task.json", P, out, WORKER_TIMEOUT_S)
     return P, results
 
 

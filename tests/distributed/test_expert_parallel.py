@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ranks import free_port, run_ranks
 import torch
 
 from mxmoe.cli import main
@@ -75,12 +75,6 @@ GROUPS = {
 LAYER_CASES = ["bf16", "mxfp8", "mxfp8_mx_dispatch", "mxfp8_floor_mx_dispatch", "empty_last_rank"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
     text = b"\n".join(p.read_bytes() for p in sorted((ROOT / "src" / "mxmoe").rglob("*.py")))
@@ -94,39 +88,7 @@ def run_group(P: int, out: Path, data: Path) -> list[dict]:
     return each rank's results."""
     task = out / "task.json"
     task.write_text(json.dumps({"out": str(out), "data": str(data), "checks": ["layer", "train"], **GROUPS[P]}))
-    port = free_port()
-    procs, logs = [], []
-    for r in range(P):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(P), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env.pop("TRITON_INTERPRET", None)
-        log = open(out / f"rank{r}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(task)], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    try:
-        for p in procs:
-            p.wait(timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    results = []
-    for r in range(P):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} of {P} wrote no results (exit {procs[r].returncode}); log:\n"
-                        + (out / f"rank{r}.log").read_text()[-4000:])
-        res = json.loads(path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {r} of {P} failed:\n{res['error']}")
-        results.append(res)
-    return results
+    return run_ranks(WORKER, task, P, out, WORKER_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])

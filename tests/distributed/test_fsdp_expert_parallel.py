@@ -46,12 +46,12 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ranks import free_port, run_ranks
 import torch
 
 from mxmoe.models import ModelConfig
@@ -86,12 +86,6 @@ TASKS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
     text = b"\n".join(p.read_bytes() for p in sorted((ROOT / "src" / "mxmoe").rglob("*.py")))
@@ -105,39 +99,7 @@ def run_workers(W: int, out: Path, task: dict) -> list[dict]:
     return each rank's results."""
     path = out / "task.json"
     path.write_text(json.dumps({"out": str(out), "steps": STEPS, **task}))
-    port = free_port()
-    procs, logs = [], []
-    for r in range(W):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(W), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env.pop("TRITON_INTERPRET", None)
-        log = open(out / f"rank{r}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    try:
-        for p in procs:
-            p.wait(timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    results = []
-    for r in range(W):
-        res_path = out / f"rank{r}.json"
-        if not res_path.exists():
-            pytest.fail(f"rank {r} of {W} wrote no results (exit {procs[r].returncode}); log:\n"
-                        + (out / f"rank{r}.log").read_text()[-4000:])
-        res = json.loads(res_path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {r} of {W} failed:\n{res['error']}")
-        results.append(res)
-    return results
+    return run_ranks(WORKER, path, W, out, WORKER_TIMEOUT_S)
 
 
 def tiny_config(out: Path, data: Path, recipe: str, dtype: str, **kw) -> TrainConfig:
