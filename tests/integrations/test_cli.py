@@ -105,6 +105,18 @@ BAD_CONFIGS = {
                               '"num_key_value_heads": 2, "head_dim": 21}',
                               "head dimension 21|transformers refuses this qwen3_moe"),  # newer transformers check it
 }
+# values transformers' config accepts (some versions) but its model cannot be built or trained
+# with: refused by building the model on the meta device, or by the epsilon check
+_SMALL = ('"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, '
+          '"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, '
+          '"num_key_value_heads": 2, "vocab_size": 256')
+_CANNOT_BUILD = "transformers cannot build a qwen3_moe model|transformers refuses this qwen3_moe"
+for _name, _value in {"zero KV heads": '"num_key_value_heads": 0', "head_dim 0": '"head_dim": 0',
+                      "decoder_sparse_step 0": '"decoder_sparse_step": 0', "an unknown activation":
+                      '"hidden_act": "bogus"', "a negative width": '"hidden_size": -64'}.items():
+    BAD_CONFIGS[_name] = ("{" + _SMALL + ", " + _value + "}", _CANNOT_BUILD)
+BAD_CONFIGS["a negative epsilon"] = ("{" + _SMALL + ', "rms_norm_eps": -1}',
+                                     "rms_norm_eps -1; a normalization epsilon|transformers refuses this qwen3_moe")
 
 
 @pytest.mark.parametrize("case", BAD_CONFIGS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -168,26 +169,71 @@ def test_an_evaluation_set_past_the_bound_is_refused(corpus, run_dir, tmp_path, 
     assert "tokens exceeds 134,217,728" in capsys.readouterr().err
 
 
-def test_a_checkpoint_with_nonfinite_weights_is_refused_by_every_loader(corpus, run_dir, tmp_path, capsys):
-    """Checksums that match but a NaN weight (written by other code or edited): resume,
+# where a non-finite value can sit in a checkpoint that the checksums cannot catch (they
+# are computed over the bad values): a weight, or AdamW's state
+NONFINITE_PLACES = {
+    "a NaN weight": (lambda st: st["model"]["embed"].__setitem__((0, 0), float("nan")), "'embed'"),
+    "an inf weight": (lambda st: st["model"]["embed"].__setitem__((0, 1), float("-inf")), "'embed'"),
+    "a NaN AdamW moment": (lambda st: next(iter(st["optimizer"]["state"].values()))["exp_avg"].view(-1)
+                           .__setitem__(0, float("nan")), "'optimizer state exp_avg of parameter"),
+}
+
+
+@pytest.mark.parametrize("place", NONFINITE_PLACES)
+def test_a_checkpoint_with_nonfinite_values_is_refused_by_every_loader(corpus, run_dir, tmp_path, capsys, place):
+    """Checksums that match but a NaN or inf (written by other code or edited): resume,
     eval and export refuse it in one line naming the file and the tensor."""
-    import torch
 
     from mxmoe.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 
+    poison, name = NONFINITE_PLACES[place]
     bad = tmp_path / "bad"
     shutil.copytree(run_dir, bad)
     state = load_checkpoint(bad, verify=False)
-    state["model"]["embed"][0, 0] = float("nan")
-    save_checkpoint(bad, state)  # checksums of the NaN weights: they match
+    poison(state)
+    save_checkpoint(bad, state)  # checksums of the bad values: they match
+    before = (bad / CHECKPOINT_NAME).read_bytes()
     for argv in (["train", *FLAGS, "--recipe", "bf16", "--data", str(corpus), "--steps", "3", "--out-dir", str(bad),
                   "--resume"], ["eval", str(bad), "--device", "cpu"], ["export", str(bad), str(tmp_path / "x.st")]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert f"{str(bad / CHECKPOINT_NAME)!r} holds non-finite weights ('embed' has NaN or inf)" in err, err
+        assert f"{str(bad / CHECKPOINT_NAME)!r} holds non-finite values ({name}" in err, err
         assert err.count("\n") == 1
     assert not (tmp_path / "x.st").exists()
-    assert torch.isnan(load_checkpoint(bad, verify=False)["model"]["embed"][0, 0])  # left as it was
+    assert (bad / CHECKPOINT_NAME).read_bytes() == before  # left as it was
+
+
+def _poisoned_export(src: Path, dst: Path, how: str) -> None:
+    import json as _json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src)
+    with safe_open(src, "pt") as f:
+        meta = f.metadata()
+    quantized = list(_json.loads(meta["mxmoe"])["quantized"])[0]
+    if how == "a NaN bf16 weight":
+        tensors["embed"][0, 0] = float("nan")
+    elif how == "NaN E4M3 codes":
+        tensors[quantized + ".e4m3"].view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
+    else:  # an E8M0 scale byte of 255: the block is NaN
+        tensors[quantized + ".e8m0"][0, 0] = 255
+    save_file(tensors, dst, metadata=meta)
+
+
+@pytest.mark.parametrize("how", ["a NaN bf16 weight", "NaN E4M3 codes", "an E8M0 scale of 255"])
+def test_an_export_with_nonfinite_values_is_refused_by_eval(run_dir, tmp_path, capsys, how):
+    good = tmp_path / "good.safetensors"
+    assert main(["export", str(run_dir), str(good)]) == 0
+    bad = tmp_path / "bad.safetensors"
+    _poisoned_export(good, bad, how)
+    capsys.readouterr()
+    assert main(["eval", str(bad), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(bad)!r} holds non-finite values (" in err and "it cannot be evaluated" in err, err
+    assert err.count("\n") == 1
 
 
 def test_overwrite_removes_the_old_runs_checkpoint(corpus, run_dir, tmp_path, monkeypatch, capsys):
@@ -265,3 +311,72 @@ def test_every_modelconfig_field_of_the_wrong_type_is_refused_by_name():
         bad = "x" if f.name == "hf_config" else _wrong_type(f.name, default) if f.name != "quantized" else 5
         with pytest.raises(ValueError, match=rf"\b{f.name}\b"):
             ModelConfig(**{f.name: bad})
+
+
+# every file mxmoe reads or replaces, as a FIFO (reading one waits for a writer forever;
+# replacing one would swap it for a plain file), and as a character device for the
+# replaced ones: refused in one line naming the path, the path left as it was
+def _run_with(name: str):
+    return lambda run, corpus, out: run / name
+
+
+FIFO_CASES = {
+    "eval of a FIFO checkpoint.pt": (_run_with("checkpoint.pt"), lambda run, c, o: ["eval", str(run), "--device", "cpu"]),
+    "export of a FIFO checkpoint.pt": (_run_with("checkpoint.pt"),
+                                       lambda run, c, o: ["export", str(run), str(o / "x.safetensors")]),
+    "resume from a FIFO checkpoint.pt": (_run_with("checkpoint.pt"), lambda run, c, o: [
+        "train", *FLAGS, "--recipe", "bf16", "--data", str(c), "--steps", "3", "--out-dir", str(run), "--resume"]),
+    "resume with a FIFO metrics.jsonl": (_run_with("metrics.jsonl"), lambda run, c, o: [
+        "train", *FLAGS, "--recipe", "bf16", "--data", str(c), "--steps", "3", "--out-dir", str(run), "--resume"]),
+    "eval of a FIFO .safetensors": (lambda run, c, o: o / "f.safetensors",
+                                    lambda run, c, o: ["eval", str(o / "f.safetensors"), "--device", "cpu"]),
+    "export onto a FIFO": (lambda run, c, o: o / "f.safetensors",
+                           lambda run, c, o: ["export", str(run), str(o / "f.safetensors")]),
+}
+
+
+@pytest.mark.parametrize("case", FIFO_CASES)
+def test_a_fifo_where_a_file_goes_is_refused_without_waiting(corpus, run_dir, tmp_path, case):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    where, argv = FIFO_CASES[case]
+    fifo = where(run, corpus, tmp_path)
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    code = ("import sys; from mxmoe.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv(run, corpus, tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr
+    assert f"{str(fifo)!r} is a FIFO (named pipe)" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # left as it was
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json", ".mxmoe.lock", "notes.txt"])
+def test_export_never_replaces_a_file_that_is_not_an_export(run_dir, tmp_path, capsys, name):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    target = run / name
+    if not target.exists():
+        target.write_text("my notes")
+    before = target.read_bytes()
+    assert main(["export", str(run), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(target)!r} exists and is not an mxmoe export" in err and err.count("\n") == 1, err
+    assert target.read_bytes() == before
+    # an earlier export is replaced
+    assert main(["export", str(run), str(tmp_path / "a.safetensors")]) == 0
+    assert main(["export", str(run), str(tmp_path / "a.safetensors"), "--format", "bf16"]) == 0
+
+
+def test_the_atomic_writer_never_replaces_a_device(tmp_path):
+    """/dev/null-like files: os.replace would swap the device for a plain file."""
+    from mxmoe.train.checkpoint import atomic_write_bytes
+
+    with pytest.raises(ValueError, match=r"'/dev/null' is a character device, not a file mxmoe may replace"):
+        atomic_write_bytes(Path("/dev/null"), lambda f: f.write(b"x"))
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    fifo = tmp_path / "p"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"is a FIFO \(named pipe\), not a file mxmoe may replace"):
+        atomic_write_bytes(fifo, lambda f: f.write(b"x"))
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -29,7 +29,7 @@ from ..distributed.launch import is_main_process
 from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
-from ..train.checkpoint import CHECKPOINT_NAME
+from ..train.checkpoint import CHECKPOINT_NAME, check_regular_file
 from ..train.cpu import set_threads_for_free_cores
 from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
 from .presets import add_preset_argument, parse_with_preset
@@ -166,6 +166,7 @@ def resolve_dtype_flag(args: argparse.Namespace) -> str | None:
         return None
     if getattr(args, "resume", False):
         try:
+            check_regular_file(Path(args.out_dir) / CONFIG_NAME, "a run's config.json")
             saved = json.loads((Path(args.out_dir) / CONFIG_NAME).read_text())["train"]["model"]["dtype"]
         except (OSError, ValueError, KeyError, TypeError):
             saved = None

@@ -58,6 +58,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -492,7 +494,39 @@ def model_config_from_hf(hf: dict, **fields) -> ModelConfig:
     if not cls._can_set_experts_implementation():
         raise ValueError(_outside_interface_message(config.model_type))
     _check_attention_heads(config)
-    return ModelConfig(**sizes, **fields, hf_config=hf)
+    _check_config_values(config, cls)
+    try:
+        return ModelConfig(**sizes, **fields, hf_config=hf)
+    except ValueError as e:  # name the config's own attributes (hidden_size), not mxmoe's fields (d_model)
+        message = str(e)
+        for field in sizes:
+            attr = _size_attr(config, field)
+            message = re.sub(rf"\b{field}\b", attr, message)
+        raise ValueError(f"the {config.model_type} config: {message}") from None
+
+
+def _check_config_values(config, cls) -> None:
+    """Refuse config values transformers accepts but cannot build or train with: a
+    normalization epsilon that is not a positive number (``rms_norm_eps`` -1 trains into
+    NaN), and anything that makes the model's constructor fail (KV heads 0, a
+    ``decoder_sparse_step`` of 0, an unknown ``hidden_act``, a size given as text), found by
+    building the model on the meta device (no memory).
+
+    Raises:
+        ValueError: naming the attribute (or transformers' own error) and the model type.
+    """
+    for key, value in config.to_dict().items():
+        if key.endswith(("_eps", "epsilon")) and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                     and math.isfinite(value) and value > 0):
+            raise ValueError(f"the {config.model_type} config has {key} {value!r}; a normalization epsilon must be a "
+                             f"small positive number such as 1e-6")
+    try:
+        with torch.device("meta"):
+            cls(config)
+    except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for bad values
+        first = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"transformers cannot build a {config.model_type} model from this config "
+                         f"({type(e).__name__}: {first}); check its values") from None
 
 
 def _check_attention_heads(config) -> None:

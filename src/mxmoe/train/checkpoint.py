@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,6 +53,36 @@ def _umask() -> int:
     return mask
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path: str | os.PathLike, what: str) -> None:
+    """Refuse a path that exists but is not a regular file (following symlinks): reading a
+    FIFO or a device may never end, and replacing one (``os.replace``) would swap a
+    system file such as /dev/null for a plain file.
+
+    Args:
+        path: the path to read or replace; a missing path passes (the caller decides).
+        what: what the file should be, for the message (e.g. "a checkpoint").
+
+    Raises:
+        ValueError: ``path`` exists and is a directory, FIFO, device or socket, naming it.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{str(path)!r} is {_file_kind(mode)}, not {what}; mxmoe reads and replaces only regular "
+                         f"files: pass the path of a file")
+
+
 # how torch's zip writer (PyTorchStreamWriter) says that a write to the file failed
 _TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing", re.IGNORECASE)
 
@@ -64,8 +95,11 @@ def atomic_write_bytes(path: Path, write) -> None:
         OSError: the directory cannot be created or written, or the disk is full: re-raised
             with ``filename`` = ``path`` (the destination the user named, not the temp
             file's name) and the same errno and reason; ``path`` is left as it was.
+        ValueError: ``path`` exists and is not a regular file (a directory, FIFO, device or
+            socket: :func:`check_regular_file`), which is left as it is.
     """
     path = Path(path)
+    check_regular_file(path, "a file mxmoe may replace")
     try:
         _atomic_write(path, write)
     except OSError as e:
@@ -198,7 +232,8 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is a directory (a ``checkpoint.pt`` that is a directory).
+        ValueError: the file is a directory (a ``checkpoint.pt`` that is a directory), a
+            FIFO, a device or a socket.
     """
     path = Path(path)
     if path.is_dir():
@@ -215,6 +250,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory, not a checkpoint file; pass a run directory holding a "
                          f"{CHECKPOINT_NAME} file, or the file itself")
+    check_regular_file(path, "a checkpoint file")
     return path
 
 
@@ -295,7 +331,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", *, mmap: bool =
         else:
             del ckpt[CHECKSUMS_KEY]
     if verify:
-        _check_finite_weights(path, ckpt)
+        check_finite_state(path, ckpt.get("model"), ckpt.get("optimizer"))
     return ckpt
 
 
@@ -315,16 +351,32 @@ def nonfinite_state(model_state: dict[str, torch.Tensor], optimizer_state: dict[
     return named[int((~finite).nonzero()[0])][0]
 
 
-def _check_finite_weights(path: Path, ckpt: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose model weights hold NaN or inf (mxmoe never writes one; a
-    file edited, or written by other code, could), naming the file and the tensor."""
-    model = ckpt.get("model")
-    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor) for t in model.values()):
+def check_finite_state(path: Path, model_state: Any, optimizer_state: Any = None,
+                       use: str = "resumed, evaluated or exported") -> None:
+    """Refuse a checkpoint or export whose weights (or AdamW state) hold NaN or inf: mxmoe
+    never writes one (the trainer's guard), but a file edited, or written by other code,
+    could, and training or evaluating it only gives NaN.
+
+    Args:
+        path: the file or directory, for the message.
+        model_state: the model state dict (name -> tensor); anything else is left to the
+            loaders' structure checks.
+        optimizer_state: an optimizer state dict, a list of them (one per rank), or None.
+        use: what the file cannot be used for, for the message.
+
+    Raises:
+        ValueError: naming ``path``, the first non-finite tensor, and what to do.
+    """
+    if not isinstance(model_state, dict) or not all(isinstance(t, torch.Tensor) for t in model_state.values()):
         return  # the loaders refuse it with their own message
-    name = nonfinite_state(model, {})
+    optimizers = optimizer_state if isinstance(optimizer_state, list) else [optimizer_state]
+    name = nonfinite_state(model_state, {})
+    for opt in optimizers:
+        if name is None and isinstance(opt, dict) and isinstance(opt.get("state"), dict):
+            name = nonfinite_state({}, opt)
     if name is not None:
-        raise ValueError(f"{str(path)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
-                         f"resumed, evaluated or exported: use an earlier checkpoint or train anew")
+        raise ValueError(f"{str(path)!r} holds non-finite values ({name!r} has NaN or inf); it cannot be {use}: "
+                         f"use an earlier checkpoint or train anew")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -387,6 +439,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The valid lines of a metrics file, in order; damaged lines
     (:func:`parse_metrics_line`: torn by a crash, NUL bytes, not a JSON object, without
     the fields of their kind) are skipped wherever they are."""
+    check_regular_file(path, "a metrics file")
     lines = []
     for raw in Path(path).read_bytes().split(b"\n"):
         record = parse_metrics_line(raw) if raw.strip() else None
@@ -407,6 +460,7 @@ def truncate_metrics(path: Path, last_step: int) -> MetricsTrim:
     path = Path(path)
     if not path.exists():
         return MetricsTrim(0, [], 0)
+    check_regular_file(path, "a metrics file")
     kept, damaged, past = [], [], 0
     for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
         if not raw.strip():
@@ -429,6 +483,7 @@ class MetricsWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_regular_file(self.path, "a metrics file")  # appending to a FIFO would wait for a reader
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe import RECIPES
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, read_metrics
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, check_regular_file, read_metrics
 from .data import Corpus, eval_batches, load_corpus
 from .trainer import CONFIG_NAME, METRICS_NAME, WARMUP_STEPS_SKIPPED, TrainConfig, holds_run, resolve_device
 
@@ -129,6 +129,7 @@ def _settings_diff(a: dict[str, Any], b: dict[str, Any], on_cpu: bool = False) -
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    check_regular_file(path, "a JSON file")
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):

@@ -49,7 +49,7 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, resolve_checkpoint_path
+from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, check_finite_state, check_regular_file, resolve_checkpoint_path
 from .sharded_checkpoint import has_sharded_checkpoint
 from .data import eval_batches, load_corpus
 from .trainer import MAX_EVAL_TOKENS, TrainConfig, check_model_state, evaluate, resolve_device
@@ -113,6 +113,20 @@ def is_safetensors(path: Path) -> bool:
     return head[_SAFETENSORS_HEADER_BYTES:] == b"{" and n < path.stat().st_size
 
 
+def is_mxmoe_export(path: Path) -> bool:
+    """Whether the regular file ``path`` is a safetensors file with mxmoe export metadata
+    (the header is read, not the tensors)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if not is_safetensors(path):
+            return False
+        with safe_open(path, framework="pt") as f:
+            return METADATA_KEY in (f.metadata() or {})
+    except (OSError, SafetensorError):
+        return False
+
+
 def load_training_checkpoint(path: str | Path) -> Source:
     """A checkpoint.pt (or a run directory holding one) as a :class:`Source`.
 
@@ -147,7 +161,8 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     Raises:
         FileNotFoundError: ``src`` does not exist.
         ValueError: unknown ``fmt`` or ``scale_mode``; ``dst`` is a directory (or ends in a
-            path separator) or is ``src``'s checkpoint file; ``src`` is not an mxmoe
+            path separator), is ``src``'s checkpoint file, or exists and is not an earlier
+            mxmoe export (a run's metrics.jsonl, a device, a FIFO: never replaced); ``src`` is not an mxmoe
             checkpoint, or one of a transformers model (``--hf-config``).
     """
     from safetensors.torch import save
@@ -159,6 +174,11 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     dst = Path(dst)
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
+    if dst.exists() or dst.is_symlink():  # replace only an earlier export: never a run's files or /dev/null
+        check_regular_file(dst, "a safetensors file")
+        if not is_mxmoe_export(dst):
+            raise ValueError(f"{str(dst)!r} exists and is not an mxmoe export (it could be a run's metrics.jsonl or "
+                             f"config.json); mxmoe export replaces only an earlier export: pass a new file name")
     source = load_training_checkpoint(src)
     if source.cfg.model.hf_config is not None:
         raise ValueError(f"{str(src)!r} trained a transformers model ({source.cfg.model.hf_config['model_type']}); "
@@ -245,10 +265,13 @@ def load_export(path: str | Path) -> Source:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step {step!r} is not an integer >= 0")
         kind = meta["format"]
+        if kind not in EXPORT_FORMATS:
+            raise ValueError(f"format {kind!r} is not one of {', '.join(EXPORT_FORMATS)}")
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, RuntimeError) as e:
         what = f"no {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
         raise ValueError(f"{str(path)!r} is not a well-formed mxmoe export ({type(e).__name__}: {what})") from None
     check_model_state(path, state, cfg.model)
+    check_finite_state(path, state, use="evaluated")  # NaN codes, scale byte 255, a NaN bf16 weight
     return Source(kind, cfg, state, step, path)
 
 

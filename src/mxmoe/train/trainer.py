@@ -43,6 +43,8 @@ from ..recipe import BACKENDS, RECIPES, get_recipe
 from .checkpoint import (
     CHECKPOINT_NAME,
     MetricsWriter,
+    check_finite_state,
+    check_regular_file,
     check_training_checkpoint,
     load_checkpoint,
     nonfinite_state,
@@ -513,10 +515,7 @@ def _load_sharded_for_one_process(out: Path) -> tuple[Path, dict[str, Any], Trai
     with torch.device("meta"):
         ref = build_model(cfg.model, get_recipe("bf16"))
     state = read_whole_model_state(step_dir, {k: v.shape for k, v in ref.state_dict().items()})
-    name = nonfinite_state(state, {})
-    if name is not None:
-        raise ValueError(f"{str(step_dir)!r} holds non-finite weights ({name!r} has NaN or inf); it cannot be "
-                         f"evaluated or exported: use an earlier checkpoint or train anew")
+    check_finite_state(step_dir, state, use="evaluated or exported")
     ckpt = {"step": checkpoint["step"], "model": state, "optimizer": {}, "train_config": checkpoint["train_config"]}
     return step_dir, ckpt, cfg
 
@@ -764,6 +763,7 @@ def out_dir_lock(out: Path, enabled: bool = True):
         return
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_NAME
+    check_regular_file(path, "a lock file")
     f = open(path, "a+")  # noqa: SIM115 - held open for the body
     try:
         try:
