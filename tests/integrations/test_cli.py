@@ -139,3 +139,11 @@ def test_heads_that_do_not_split_the_width_are_refused(tmp_path, text_file, caps
     err = capsys.readouterr().err
     assert rc == 2 and ("attention heads" in err or "head dimension" in err), err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_directory_without_a_config_json_is_named(tmp_path, text_file, capsys):
+    (tmp_path / "empty").mkdir()
+    rc = main(["train", "--hf-config", str(tmp_path / "empty"), *RUN, "--data", str(text_file), "--out-dir",
+               str(tmp_path / "r"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is a directory without a config.json" in err and err.count("\n") == 1, err

@@ -4,13 +4,21 @@ and what would work, never in an internal error or in uninitialized memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from mxmoe import fake_quantize_mx, mx_grouped_mm, mx_linear, quantize_mx
+from mxmoe import MXTensor, dequantize_mx, fake_quantize_mx, mx_grouped_mm, mx_linear, quantize_mx
+from mxmoe.numerics import from_blocked_scales, to_blocked_scales
 from mxmoe.ops import mx_grouped_mm_dgrad, mx_moe_experts
 
 OFFS = torch.tensor([2, 4], dtype=torch.int32)
+
+
+def _on_meta(mx: MXTensor) -> MXTensor:
+    return dataclasses.replace(mx, qdata=mx.qdata.to("meta"), scale=mx.scale.to("meta"))
+
 
 CASES = {
     "mx_linear 0-d x": (lambda: mx_linear(torch.tensor(1.0), torch.randn(8, 64)), ValueError,
@@ -28,6 +36,26 @@ CASES = {
     "quantize_mx dim out of range": (lambda: quantize_mx(torch.randn(4, 64), "e4m3", dim=2), ValueError,
                                      r"dim=2 is out of range for a 2-d tensor; use a dim in \[-2, 1\]"),
     "quantize_mx 0-d": (lambda: quantize_mx(torch.tensor(1.0), "e4m3"), ValueError, r"x is a 0-d tensor"),
+    "quantize_mx list": (lambda: quantize_mx([1.0] * 32), TypeError, r"x must be a torch.Tensor, got list"),
+    "fake_quantize_mx list": (lambda: fake_quantize_mx([1.0] * 32), TypeError, r"x must be a torch.Tensor, got list"),
+    "quantize_mx meta": (lambda: quantize_mx(torch.empty(4, 32, device="meta")), ValueError,
+                         r"x is on the meta device"),
+    "fake_quantize_mx meta": (lambda: fake_quantize_mx(torch.empty(4, 32, device="meta")), ValueError,
+                              r"x is on the meta device"),
+    "dequantize_mx meta": (lambda: dequantize_mx(_on_meta(quantize_mx(torch.randn(4, 32)))), ValueError,
+                           r"the MXTensor is on the meta device"),
+    "MXTensor scale on another device": (lambda: dataclasses.replace(quantize_mx(torch.randn(4, 32)),
+                                                                     scale=torch.empty(4, 1, dtype=torch.float8_e8m0fnu,
+                                                                                       device="meta")),
+                                         ValueError, r"MXTensor qdata and scale must be on one device"),
+    "to_blocked_scales list": (lambda: to_blocked_scales([1, 2]), TypeError, r"scale must be a torch.Tensor"),
+    "from_blocked_scales list": (lambda: from_blocked_scales([1, 2], 1, 1), TypeError,
+                                 r"blocked must be a torch.Tensor"),
+    "mx_moe_experts F = 0": (lambda: mx_moe_experts(torch.randn(4, 32, dtype=torch.bfloat16),
+                                                    torch.arange(4).repeat_interleave(2),
+                                                    torch.tensor([4, 8], dtype=torch.int32), torch.randn(2, 0, 32),
+                                                    torch.randn(2, 32, 0), "mxfp8"),
+                             ValueError, r"w13 \(E, 2F, D\) = \(2, 0, 32\) has an empty dimension"),
     "fake_quantize_mx float dim": (lambda: fake_quantize_mx(torch.randn(4, 64), "e4m3", dim=0.5), TypeError,
                                    r"dim must be an int"),
 }

@@ -219,6 +219,8 @@ DAMAGED_RUNS = {
                                                                            if k != "flops_per_token"}),
     "a number as device": lambda d: _edit_json(d / "mxfp8" / "result.json", lambda r: {**r, "device": 5}),
     "result.json a list": lambda d: (d / "mxfp8" / "result.json").write_text("[1, 2, 3]"),
+    "result.json of strings": lambda d: _edit_json(d / "mxfp8" / "result.json", lambda r: {k: "x" for k in r}),
+    "a text rss": lambda d: _edit_json(d / "mxfp8" / "result.json", lambda r: {**r, "rss_before_model_gib": "1.0"}),
     "metrics without mem_gib": lambda d: (d / "bf16" / "metrics.jsonl").write_text("".join(
         json.dumps({k: v for k, v in json.loads(line).items() if k != "mem_gib"}) + "\n"
         for line in (d / "bf16" / "metrics.jsonl").read_text().splitlines())),
@@ -235,6 +237,14 @@ def test_report_of_damaged_runs_is_one_line(tmp_path, capsys, damage):
     assert rc in (0, 2) and "Traceback" not in err  # read around the damage, or refused in one line
     if rc == 2:
         assert err.startswith("mxmoe report: error: ") and err.count("\n") == 1, err
+    if damage in ("result.json of strings", "a text rss"):  # the file is named, not a format error
+        assert rc == 2 and "mxfp8/result.json' is damaged" in err, err
+
+
+def test_report_of_an_empty_directory_name_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the current directory's runs
+    assert main(["report", ""]) == 2
+    assert "the compare directory is empty; pass the --out-dir of mxmoe compare" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,message", [

@@ -135,19 +135,31 @@ def test_export_write_is_atomic(run_dir, tmp_path, monkeypatch):
     (["export", "{tmp}/junk.bin", "{tmp}/o.safetensors"], "is not a readable torch checkpoint"),
     (["eval", "{tmp}/missing.safetensors"], "does not exist"),
     (["eval", "{run}", "--data", "/nonexistent/corpus.txt"], "does not exist"),
-    (["eval", "{run}", "--eval-batches", "0"], "eval batches must be a positive integer"),
-    (["eval", "{run}", "--seq-len", "64"], "exceeds the model's max_seq_len 32"),
+    (["eval", "{run}", "--eval-batches", "0"], "--eval-batches must be a positive integer, got 0"),
+    (["eval", "{run}", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["eval", "{run}", "--seq-len", "64"], "--seq-len 64 exceeds the longest sequence the model was built for, 32"),
+    (["eval", "{run}", "--data", "{tmp}/tiny.txt"], "fewer than --seq-len + 1 = 33"),
+    (["eval", "{tmp}/empty.safetensors"], "is not a readable safetensors file"),
     (["eval", "{tmp}/foreign.safetensors"], "not written by mxmoe export"),
     (["eval", "{tmp}/junk.bin"], "is not a readable torch checkpoint"),
     (["eval", "{run}", "--device", "tpu"], "unknown device 'tpu'"),
 ])
 def test_export_and_eval_refuse_bad_input_with_a_message(run_dir, tmp_path, capsys, argv, message):
     (tmp_path / "junk.bin").write_bytes(b"not a checkpoint at all")
+    (tmp_path / "tiny.txt").write_text("abc " * 5)
+    (tmp_path / "empty.safetensors").write_bytes(b"")
     save_file({"x": torch.zeros(2)}, str(tmp_path / "foreign.safetensors"))
     argv = [a.format(tmp=tmp_path, run=run_dir) for a in argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_eval_refuses_the_triton_backend_off_cuda(run_dir, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(["eval", str(run_dir), "--quant-backend", "triton", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--quant-backend triton runs the Triton kernels, which need a CUDA device" in err and "backend=" not in err
 
 
 @pytest.mark.parametrize("argv,message", [

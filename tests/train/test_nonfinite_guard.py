@@ -134,6 +134,24 @@ def test_persistent_bad_steps_stop_with_a_nonzero_exit(tmp_path, text_file, monk
     assert ckpt["step"] == 4 and nonfinite_state(ckpt["model"], ckpt["optimizer"]) is None
 
 
+@pytest.mark.parametrize("kind", BAD_KINDS)
+@pytest.mark.parametrize("bad", [{5, 6}, {6}, {1, 2, 3, 4, 5, 6}], ids=["last two", "last one", "every step"])
+def test_a_run_ending_on_skipped_steps_exits_nonzero(tmp_path, text_file, monkeypatch, capsys, kind, bad):
+    """Fewer bad steps than --max-bad-steps, but at the end of the run: the weights it saves
+    are not those of its last step, so it must not end with exit 0 as if it had trained."""
+    monkeypatch.setattr(trainer, "build_model", poisoned_builder(kind, bad))
+    out = tmp_path / "run"
+    rc = main(["train", *TINY_FLAGS, "--data", str(text_file), "--out-dir", str(out), "--steps", "6",
+               "--ckpt-interval", "2", "--warmup-steps", "1", "--max-bad-steps", "10"])
+    err = capsys.readouterr().err
+    first = min(bad)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"the run ended with {len(bad)} consecutive steps ({first} to 6) whose updates were skipped" in err, err
+    assert f"the weights saved at step 6 are those of step {first - 1}" in err, err
+    assert [m["skipped"] for m in train_lines(out)] == [s in bad for s in range(1, 7)]
+    assert load_checkpoint(out)["step"] == 6
+
+
 def test_a_checkpoint_with_nonfinite_weights_is_not_written(tmp_path, text_file, monkeypatch):
     """An update that makes a weight NaN with a finite gradient norm (here: an optimizer
     hook that poisons one weight after step 3): the checkpoint due at step 4 is not

@@ -34,7 +34,10 @@ def run_dir(tmp_path_factory, corpus) -> Path:
 TRAIN_REFUSALS = {
     "empty out-dir": (["--out-dir", ""], "--out-dir must name a directory, got ''; pass e.g. --out-dir"),
     "blank out-dir": (["--out-dir", "  "], "--out-dir must name a directory, got '  '"),
-    "seed 2**70": (["--seed", str(2**70)], f"seed must be an integer in [0, {MAX_SEED}], got {2**70}"),
+    "seed 2**70": (["--seed", str(2**70)], f"--seed must be an integer in [0, {MAX_SEED}], got {2**70}"),
+    "lr 0": (["--lr", "0"], "--lr must be a positive number, got 0"),
+    "lr nan": (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    "steps 0": (["--steps", "0"], "--steps must be an integer in [1, "),
     "seed 2**32": (["--seed", str(2**32)], f"seed must be an integer in [0, {MAX_SEED}]"),
     "negative seed": (["--seed", "-1"], f"seed must be an integer in [0, {MAX_SEED}], got -1"),
     "huge vocab": (["--vocab-size", str(10**11)], "--vocab-size 100,000,000,000 exceeds 1,048,576"),
@@ -51,13 +54,15 @@ TRAIN_REFUSALS = {
     "blank hf-config": (["--hf-config", " "], "--hf-config is empty"),
     "nothing to quantize": (["--recipe", "mxfp8", "--quantize", ""], "recipe 'mxfp8' would quantize no GEMM: the "
                                                                     "list of quantized GEMMs is empty (--quantize '')"),
+    "resume and overwrite": (["--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwrite "
+                                                           "starts it anew; pass one of them"),
     "decay past 1 / lr": (["--weight-decay", "1e30"], "--lr=0.003 x --weight-decay=1e+30 = 3e+27 > 1: AdamW's decoupled"),
 }
 # every model size flag, at zero and at 2**70 (which must not hang building the model)
 SIZE_FLAGS = ["--width", "--layers", "--heads", "--experts", "--expert-width", "--dense-width", "--moe-every",
               "--shared-expert", "--vocab-size", "--seq-len", "--batch-size", "--steps"]
 for _flag in SIZE_FLAGS:
-    _named = "steps must be" if _flag == "--steps" else _flag  # TrainConfig's field is the flag's word
+    _named = _flag  # the flag the user typed, never the config field (steps, d_model)
     TRAIN_REFUSALS[f"{_flag} 2**70"] = ([_flag, str(2**70)], _named)
     if _flag != "--shared-expert":  # 0 is "no shared expert"
         TRAIN_REFUSALS[f"{_flag} 0"] = ([_flag, "0"], _named)
@@ -380,3 +385,12 @@ def test_the_atomic_writer_never_replaces_a_device(tmp_path):
     with pytest.raises(ValueError, match=r"is a FIFO \(named pipe\), not a file mxmoe may replace"):
         atomic_write_bytes(fifo, lambda f: f.write(b"x"))
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_compare_refuses_the_triton_backend_off_cuda_before_training(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "cmp"
+    assert main(["compare", *FLAGS, "--data", str(corpus), "--steps", "2", "--quant-backend", "triton",
+                 "--out-dir", str(out)]) == 2
+    assert "--quant-backend triton runs the Triton kernels, which need a CUDA device" in capsys.readouterr().err
+    assert not (out / "bf16").exists()  # nothing trained first

@@ -183,21 +183,32 @@ _FLAG_OF_FIELD = {"d_model": "--width", "n_layers": "--layers", "n_heads": "--he
                   "quantized": "--quantize"}
 
 
-def flag_names(message: str) -> str:
-    """``message`` with the config field names in it (those with an underscore, as
-    :class:`TrainConfig` and :class:`ModelConfig` name them, and one-word names written
-    ``name=value``) written as the flags that set them: ``d_model`` as ``--width``,
-    ``max_bad_steps`` as ``--max-bad-steps``, ``lr=0.003`` as ``--lr=0.003``."""
-    flags = _train_flags()
+def flag_names(message: str, flags: frozenset[str] | None = None,
+               field_flags: dict[str, str] | None = None) -> str:
+    """``message`` with the setting names in it written as the flags that set them:
+    names with an underscore (``d_model`` as ``--width``, ``max_bad_steps`` as
+    ``--max-bad-steps``) and one-word names written ``name=value`` or ``name must ...``
+    (``lr=0.003`` as ``--lr=0.003``, ``steps must be`` as ``--steps must be``).
+
+    Args:
+        message: an error message of the library.
+        flags: the command's flags (default: ``mxmoe train``'s); a name is rewritten only
+            to a flag the command has.
+        field_flags: the settings that may be rewritten, mapped to their flag where it is
+            not the name with dashes (default: :class:`TrainConfig` and
+            :class:`ModelConfig` fields, ``d_model`` to ``--width`` ...).
+    """
+    flags = _train_flags() if flags is None else flags
+    names, renamed = (_CONFIG_FIELDS, _FLAG_OF_FIELD) if field_flags is None else (set(field_flags), field_flags)
 
     def flag(m: re.Match) -> str:
         name = m.group(1)
-        if name not in _CONFIG_FIELDS:
+        if name not in names:
             return name
-        f = _FLAG_OF_FIELD.get(name, "--" + name.replace("_", "-"))
+        f = renamed.get(name) or "--" + name.replace("_", "-")
         return f if f in flags else name
 
-    return re.sub(r"(?<![-\w])([a-z]+(?:_[a-z0-9]+)+\b|[a-z]+(?==))", flag, message)
+    return re.sub(r"(?<![-\w])([a-z]+(?:_[a-z0-9]+)+\b|[a-z]+(?==| must\b))", flag, message)
 
 
 _CONFIG_FIELDS = {f.name for cls in (TrainConfig, ModelConfig) for f in dataclasses.fields(cls)}
@@ -286,6 +297,8 @@ def _hf_model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     """`mxmoe train`: load the corpus, build the TrainConfig from the flags, train (or
     resume); returns the exit status."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out-dir and --overwrite starts it anew; pass one of them")
     note = resolve_dtype_flag(args)
     if note and is_main_process():
         print(note, flush=True)

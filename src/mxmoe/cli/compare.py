@@ -68,6 +68,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`mxmoe report`: rebuild the comparison report from finished runs in ``args.out_dir``."""
+    if not str(args.out_dir).strip():
+        raise ValueError("the compare directory is empty; pass the --out-dir of mxmoe compare (e.g. runs/compare)")
     try:
         report = build_report(args.out_dir, args.recipes, peak_tflops=args.peak_tflops)
     except DAMAGED_RUN_ERRORS as e:

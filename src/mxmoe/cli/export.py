@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..numerics.formats import ScaleMode
 from ..recipe import BACKENDS
 from ..recipe import RECIPES
 from ..train.export import EXPORT_FORMATS, evaluate_source, export_checkpoint
+from ..train.trainer import resolve_device
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -21,11 +23,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# evaluate_source's argument names in its messages, and the eval flags that set them
+EVAL_FIELD_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "n_batches": "--eval-batches",
+                    "data": "--data", "recipe": "--recipe", "device": "--device"}
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """`mxmoe eval`: validation loss of a checkpoint or an export on the run's corpus."""
-    r = evaluate_source(args.source, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
-                        n_batches=args.eval_batches, recipe=args.recipe, quant_backend=args.quant_backend,
-                        device=args.device)
+    """`mxmoe eval`: validation loss of a checkpoint or an export on the run's corpus; errors
+    name the eval flags (``--batch-size``, not ``batch_size``)."""
+    from . import flag_names
+
+    try:
+        if args.quant_backend == "triton" and resolve_device(args.device).type != "cuda" \
+                and os.environ.get("TRITON_INTERPRET", "") != "1":
+            raise ValueError("--quant-backend triton runs the Triton kernels, which need a CUDA device; use "
+                             "--quant-backend reference or auto on the CPU")
+        r = evaluate_source(args.source, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                            n_batches=args.eval_batches, recipe=args.recipe, quant_backend=args.quant_backend,
+                            device=args.device)
+    except ValueError as e:
+        flags = frozenset({"--data", "--batch-size", "--seq-len", "--eval-batches", "--recipe", "--device"})
+        raise ValueError(flag_names(str(e), flags, EVAL_FIELD_FLAGS)) from None
     print(f"val loss {r.val_loss:.6f} | {r.batches} batches of {r.batch_size} x {r.seq_len} tokens "
           f"| recipe {r.recipe} | {r.kind} at step {r.step} | {r.path} | device {r.device}")
     return 0

@@ -430,6 +430,9 @@ def hf_config_dict(spec: str, sizes: dict[str, int] | None = None, min_positions
 
     path = Path(spec)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--hf-config {spec!r} is a directory without a config.json; pass the config "
+                                    f"file or the directory holding it")
         path = path / "config.json"
     if path.is_file():
         try:

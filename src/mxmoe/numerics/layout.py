@@ -41,8 +41,11 @@ def to_blocked_scales(scale: Tensor) -> Tensor:
         128 and C = cols rounded up to 4; padding bytes are 0.
 
     Raises:
+        TypeError: ``scale`` is not a tensor.
         ValueError: ``scale`` has fewer than 2 dims or is not a 1-byte dtype.
     """
+    if not isinstance(scale, Tensor):
+        raise TypeError(f"scale must be a torch.Tensor of E8M0 scales, got {type(scale).__name__}")
     if scale.dim() < 2:
         raise ValueError(f"scale must be (..., rows, cols), got shape {tuple(scale.shape)}")
     if scale.element_size() != 1:
@@ -71,8 +74,15 @@ def from_blocked_scales(blocked: Tensor, rows: int, cols: int) -> Tensor:
         Contiguous tensor (..., rows, cols) in ``blocked``'s dtype (padding dropped).
 
     Raises:
-        ValueError: the last dim of ``blocked`` is not R * C for these rows and cols.
+        TypeError: ``blocked`` is not a tensor.
+        ValueError: ``rows``/``cols`` not integers >= 0, or the last dim of ``blocked`` is
+            not R * C for these rows and cols.
     """
+    if not isinstance(blocked, Tensor):
+        raise TypeError(f"blocked must be a torch.Tensor of E8M0 scales, got {type(blocked).__name__}")
+    for name, value in (("rows", rows), ("cols", cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     R, C = _ceil_to(rows, BLOCKED_TILE_ROWS), _ceil_to(cols, BLOCKED_TILE_COLS)
     if blocked.dim() < 1 or blocked.shape[-1] != R * C:
         raise ValueError(

@@ -54,8 +54,8 @@ class MXTensor:
         TypeError: ``qdata``/``scale`` is not a tensor or has the wrong dtype for ``fmt``
             (:data:`~mxmoe.numerics.formats.ELEM_SPECS`) / E8M0, or ``block_size``,
             ``dim``, ``orig_size`` is not an int.
-        ValueError: an unknown ``fmt``/``scale_mode``, ``block_size`` < 1 (or odd for
-            E2M1), ``dim`` out of range, ``qdata`` and ``scale`` shapes that do not
+        ValueError: an unknown ``fmt``/``scale_mode``, ``qdata`` and ``scale`` on different
+            devices, ``block_size`` < 1 (or odd for E2M1), ``dim`` out of range, ``qdata`` and ``scale`` shapes that do not
             match (every dimension equal except ``dim``, where ``qdata`` holds
             ``block_size`` elements per scale, half as many bytes for E2M1), or an
             ``orig_size`` outside ``(padded - block_size, padded]``.
@@ -87,6 +87,9 @@ class MXTensor:
             raise TypeError(f"MXTensor scale must be torch.float8_e8m0fnu (E8M0), got {self.scale.dtype}")
         if self.block_size < 1 or (self.fmt is ElemFormat.E2M1 and self.block_size % 2):
             raise ValueError(f"MXTensor block_size must be a positive int (even for e2m1), got {self.block_size}")
+        if self.qdata.device != self.scale.device:
+            raise ValueError(f"MXTensor qdata and scale must be on one device, got qdata on {self.qdata.device} and "
+                             f"scale on {self.scale.device}")
         ndim = self.qdata.dim()
         if ndim == 0 or not -ndim <= self.dim < ndim:
             raise ValueError(f"MXTensor dim {self.dim} is out of range for qdata of shape {tuple(self.qdata.shape)}")
@@ -154,10 +157,12 @@ def check_quantize_args(x: Tensor, block_size: int, dim: int) -> int:
 
     Raises:
         TypeError: x not a float32/bfloat16/float16 tensor.
-        ValueError: x 0-d; block_size not a positive int; dim out of range.
+        ValueError: x 0-d or on the meta device; block_size not a positive int; dim out of range.
     """
     if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}; build it with torch.as_tensor(...)")
+    if x.device.type == "meta":
+        raise ValueError("x is on the meta device (a shape without data); quantize a tensor that holds values")
     if x.dtype not in SUPPORTED_INPUT_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; quantize_mx takes float32, bfloat16 or float16 (cast first)"
@@ -280,6 +285,8 @@ def check_dequantize_call(mx: MXTensor, dtype: torch.dtype) -> None:
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"expected an MXTensor, got {type(mx).__name__}")
+    if mx.qdata.device.type == "meta":
+        raise ValueError("the MXTensor is on the meta device (shapes without data); dequantize one that holds values")
     if dtype not in SUPPORTED_OUTPUT_DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
 

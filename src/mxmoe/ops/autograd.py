@@ -24,8 +24,9 @@ DOUBLE_BACKWARD_ERROR = "does not support double backward"
 def double_backward_message(op: str, instead: str) -> str:
     """The error of a second backward through ``op``: what is refused, why, ``instead``."""
     return (f"{op} {DOUBLE_BACKWARD_ERROR} (create_graph=True and a second backward through its gradient, as in "
-            f"a gradient penalty or a Hessian-vector product): its backward runs on MXFP8-quantized copies and is "
-            f"not differentiable, so the second-order gradient would be silently wrong; {instead}")
+            f"a gradient penalty or a Hessian-vector product): its backward is hand-written, its GEMMs run on "
+            f"copies of the operands (MXFP8-quantized, or cast to bf16 under the bf16 recipe) and it is not "
+            f"differentiable, so the second-order gradient would be silently wrong; {instead}")
 
 
 def no_double_backward(op: str, instead: str) -> Callable:

@@ -279,6 +279,9 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
     if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2:
         raise ValueError(f"w13 must be (E, 2F, D) [gate; up] weights, got shape {tuple(w13_E2FD.shape)}")
     E, F2, D = w13_E2FD.shape
+    if not (E and F2 and D):
+        raise ValueError(f"w13 (E, 2F, D) = {tuple(w13_E2FD.shape)} has an empty dimension; mx_moe_experts needs "
+                         f"E, F and D >= 1")
     if tuple(w2_EDF.shape) != (E, D, F2 // 2):
         raise ValueError(f"w2 must be (E, D, F) = ({E}, {D}, {F2 // 2}) to match w13 (E, 2F, D) = "
                          f"{tuple(w13_E2FD.shape)}, got {tuple(w2_EDF.shape)}")

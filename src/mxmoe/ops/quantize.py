@@ -164,8 +164,8 @@ def fake_quantize_mx(
     Raises:
         The errors of :func:`quantize_mx`.
     """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
     fmt, scale_mode, dim, x = check_quantize_call(x, fmt, block_size, dim, scale_mode, pad)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     # the kernel reads x and writes out_dtype: both must be covered (rule 1 for each)
     if use_triton(x.device, x.dtype, fmt, block_size, backend) and use_triton(x.device, out_dtype, fmt, block_size,
                                                                               backend):

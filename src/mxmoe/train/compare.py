@@ -34,7 +34,15 @@ from typing import Any
 from ..recipe import RECIPES
 from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, check_regular_file, read_metrics
 from .data import Corpus, eval_batches, load_corpus
-from .trainer import CONFIG_NAME, METRICS_NAME, WARMUP_STEPS_SKIPPED, TrainConfig, holds_run, resolve_device
+from .trainer import (
+    CONFIG_NAME,
+    METRICS_NAME,
+    WARMUP_STEPS_SKIPPED,
+    TrainConfig,
+    check_backend_device,
+    holds_run,
+    resolve_device,
+)
 
 BASELINE_RECIPE = "bf16"
 RESULT_NAME = "result.json"
@@ -104,7 +112,7 @@ def check_run(cfg: TrainConfig, corpus: Corpus) -> None:
         ValueError: the first problem found.
     """
     cfg.validate()
-    resolve_device(cfg.device)
+    check_backend_device(cfg, resolve_device(cfg.device))  # --quant-backend triton off CUDA: before any run trains
     out = Path(cfg.out_dir)
     for path in (out.parent, out):
         if path.exists() and not path.is_dir():
@@ -134,6 +142,20 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_bytes().decode("utf-8"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+
+
+def _result_well_formed(result: Any) -> bool:
+    """Whether a result.json holds what the report reads, of the right kinds: a JSON object
+    whose ``rss_before_model_gib`` is a number or null, ``device_name`` and ``git`` strings
+    or null, ``train`` an object with an integer ``steps``."""
+    if not isinstance(result, dict):
+        return False
+    rss = result.get("rss_before_model_gib")
+    texts = (result.get("device_name"), result.get("git"))
+    train = result.get("train")
+    return ((rss is None or isinstance(rss, (int, float)) and not isinstance(rss, bool))
+            and all(t is None or isinstance(t, str) for t in texts)
+            and isinstance(train, dict) and isinstance(train.get("steps"), int))
 
 
 @dataclass
@@ -369,6 +391,9 @@ def summarize_run(run_dir: Path) -> RunSummary:
         raise ValueError(f"{str(run_dir / CONFIG_NAME)!r} is damaged or not an mxmoe run's config (no JSON object "
                          f"with the run's 'train' settings); rerun the recipe, or leave this directory out")
     result = _read_json(run_dir / RESULT_NAME)
+    if result is not None and not _result_well_formed(result):
+        raise ValueError(f"{str(run_dir / RESULT_NAME)!r} is damaged or not an mxmoe run's result (fields of the wrong "
+                         f"kind); rerun the recipe (mxmoe compare --reuse), or leave this directory out")
     tcfg = config["train"]
     lines = read_metrics(run_dir / METRICS_NAME)
     train = [m for m in lines if m.get("kind") == "train"]

@@ -174,11 +174,6 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     dst = Path(dst)
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
-    if dst.exists() or dst.is_symlink():  # replace only an earlier export: never a run's files or /dev/null
-        check_regular_file(dst, "a safetensors file")
-        if not is_mxmoe_export(dst):
-            raise ValueError(f"{str(dst)!r} exists and is not an mxmoe export (it could be a run's metrics.jsonl or "
-                             f"config.json); mxmoe export replaces only an earlier export: pass a new file name")
     source = load_training_checkpoint(src)
     if source.cfg.model.hf_config is not None:
         raise ValueError(f"{str(src)!r} trained a transformers model ({source.cfg.model.hf_config['model_type']}); "
@@ -187,6 +182,11 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
     if dst.exists() and os.path.samefile(dst, source.path):
         raise ValueError(f"{str(dst)!r} is the checkpoint being exported: writing there would replace the training "
                          f"checkpoint; pass another file name such as model.safetensors")
+    if dst.exists() or dst.is_symlink():  # replace only an earlier export: never a run's files or /dev/null
+        check_regular_file(dst, "a safetensors file")
+        if not is_mxmoe_export(dst):
+            raise ValueError(f"{str(dst)!r} exists and is not an mxmoe export (it could be a run's metrics.jsonl or "
+                             f"config.json); mxmoe export replaces only an earlier export: pass a new file name")
     recipe = get_recipe(source.cfg.recipe)
     mode = ScaleMode.parse(scale_mode) if scale_mode is not None else (
         recipe.scale_mode if recipe.quantize else ScaleMode.RCEIL)
@@ -281,7 +281,10 @@ def load_source(path: str | Path) -> Source:
     if has_sharded_checkpoint(path) and not (Path(path) / CHECKPOINT_NAME).exists():  # a 2-D mesh run's directory
         return load_training_checkpoint(path)
     resolved = resolve_checkpoint_path(path)
-    return load_export(resolved) if is_safetensors(resolved) else load_training_checkpoint(resolved)
+    # by content; a damaged file named .safetensors gets the safetensors reader's message
+    if is_safetensors(resolved) or resolved.suffix == ".safetensors":
+        return load_export(resolved)
+    return load_training_checkpoint(resolved)
 
 
 @dataclass
@@ -320,7 +323,7 @@ def evaluate_source(path: str | Path, *, data: str | None = None, batch_size: in
         ValueError: bad values (unknown recipe, non-positive sizes, seq_len above the
             model's max_seq_len, a corpus too short), or not an mxmoe file.
     """
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("eval batches", n_batches)):
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if recipe is not None and recipe not in RECIPES:
@@ -331,9 +334,9 @@ def evaluate_source(path: str | Path, *, data: str | None = None, batch_size: in
     bs, sl = batch_size or cfg.batch_size, seq_len or cfg.seq_len
     n = n_batches or cfg.eval_batches
     if sl > cfg.model.max_seq_len:
-        raise ValueError(f"seq_len {sl} exceeds the model's max_seq_len {cfg.model.max_seq_len}")
+        raise ValueError(f"seq_len {sl} exceeds the longest sequence the model was built for, {cfg.model.max_seq_len}")
     if n * bs * sl > MAX_EVAL_TOKENS:
-        raise ValueError(f"eval batches x batch_size x seq_len = {n * bs * sl:,} tokens exceeds {MAX_EVAL_TOKENS:,} "
+        raise ValueError(f"n_batches x batch_size x seq_len = {n * bs * sl:,} tokens exceeds {MAX_EVAL_TOKENS:,} "
                          f"(2**27, held in memory at once); use fewer or smaller batches")
     corpus = load_corpus(data if data is not None else cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:

@@ -187,7 +187,7 @@ class TrainConfig:
                 _bad(f"unknown {name} {value!r}; use one of {options}")
         if self.data is not None and not isinstance(self.data, (str, os.PathLike)):
             _bad(f"data must be a path to a corpus file or None (the Python standard library), got {self.data!r}")
-        for name in ("progress", "overwrite", "cuda_graph"):
+        for name in ("progress", "overwrite", "cuda_graph", "mx_weight_gather"):
             if not isinstance(getattr(self, name), bool):
                 _bad(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
@@ -681,7 +681,8 @@ def train(cfg: TrainConfig, resume: bool = False, corpus: Corpus | None = None) 
             differs; with P > 1, no torchrun environment or WORLD_SIZE != P; with P == 1,
             a torchrun launch of several processes.
         FileNotFoundError: missing data path, or ``resume`` without a checkpoint.
-        FloatingPointError: ``cfg.max_bad_steps`` consecutive steps with a non-finite loss
+        FloatingPointError: the run ends with steps whose updates were skipped, or
+            ``cfg.max_bad_steps`` consecutive steps with a non-finite loss
             or gradient norm (their updates skipped, their metrics lines written), or a
             checkpoint due while a parameter or AdamW state holds NaN or inf (not written);
             the message names the step and the last checkpoint written.
@@ -989,6 +990,11 @@ def _train_locked(cfg: TrainConfig, device: torch.device, env: DistEnv | None, p
     bar.close()
     if metrics is not None:
         metrics.close()
+    if bad_steps:  # fewer than --max-bad-steps, but the run ended without updating the weights again
+        raise FloatingPointError(
+            f"the run ended with {len(bad_steps)} consecutive steps ({bad_steps[0]} to {bad_steps[-1]}) whose "
+            f"updates were skipped (non-finite loss or gradient norm): the weights saved at step {bad_steps[-1]} are "
+            f"those of step {bad_steps[0] - 1}; lower --lr, check the data or the loss coefficients")
     wall = time.perf_counter() - wall_start
     result = None
     if main:
