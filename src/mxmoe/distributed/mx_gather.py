@@ -42,6 +42,7 @@ from torch import Tensor
 from torch import nn
 
 from ..numerics.mx_tensor import MXTensor
+from ..ops.autograd import no_double_backward
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..ops.weight_cache import DGRAD_DIM, FWD_DIM, active_cache
 from ..recipe import Recipe
@@ -130,6 +131,8 @@ class _GatherExpertsMX(torch.autograd.Function):
         return full
 
     @staticmethod
+    @no_double_backward("the MXFP8 expert-weight gather (--mx-weight-gather)",
+                        "train without --mx-weight-gather where second-order gradients are needed")
     def backward(ctx, g_full: Tensor):
         G = dist.get_world_size(ctx.group)
         g = g_full.float().contiguous()
