@@ -75,14 +75,6 @@ GROUPS = {
 LAYER_CASES = ["bf16", "mxfp8", "mxfp8_mx_dispatch", "mxfp8_floor_mx_dispatch", "empty_last_rank"]
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    text = b"\n".join(p.read_bytes() for p in sorted((ROOT / "src" / "mxmoe").rglob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(text)
-    return path
-
-
 def run_group(P: int, out: Path, data: Path) -> list[dict]:
     """Start P worker processes (torchrun's environment, gloo), wait with a hard timeout,
     return each rank's results."""

@@ -86,14 +86,6 @@ TASKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    text = b"\n".join(p.read_bytes() for p in sorted((ROOT / "src" / "mxmoe").rglob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(text)
-    return path
-
-
 def run_workers(W: int, out: Path, task: dict) -> list[dict]:
     """Start W worker processes (torchrun's environment, gloo), wait with a hard timeout,
     return each rank's results."""

@@ -496,14 +496,24 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, A
     file = resolve_checkpoint_path(path)
     ckpt = load_checkpoint(file)
     check_training_checkpoint(file, ckpt)
-    try:
-        cfg = TrainConfig.from_dict(ckpt["train_config"])
-        cfg.validate()
-    except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"{str(file)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+    cfg = saved_settings(ckpt["train_config"], file)
     check_model_state(file, ckpt["model"], cfg.model)
     return file, ckpt, cfg
+
+
+def saved_settings(train_config: Any, where: Path) -> TrainConfig:
+    """The validated :class:`TrainConfig` a checkpoint stores (:meth:`TrainConfig.to_dict`).
+
+    Raises:
+        ValueError: one line naming ``where`` when the settings cannot be read or validated.
+    """
+    try:
+        cfg = TrainConfig.from_dict(train_config)
+        cfg.validate()
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(where)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    return cfg
 
 
 def _load_sharded_for_one_process(out: Path) -> tuple[Path, dict[str, Any], TrainConfig]:
@@ -565,12 +575,7 @@ def load_sharded_resume(out: Path) -> tuple[dict[str, Any], TrainConfig]:
                          f"of a 2-D mesh run: resume it without --data-parallel-shard (on the --expert-parallel it "
                          f"was written with)")
     step_dir, latest = read_sharded_checkpoint(out)
-    try:
-        saved = TrainConfig.from_dict(latest["train_config"])
-        saved.validate()
-    except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"{str(step_dir)!r} holds settings this mxmoe cannot use ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]})") from None
+    saved = saved_settings(latest["train_config"], step_dir)
     checkpoint = {"step": latest["step"], "train_config": latest["train_config"], "sharded_dir": step_dir,
                   "mesh": latest.get("mesh")}
     if isinstance(latest.get(DATA_HASH_KEY), str):
