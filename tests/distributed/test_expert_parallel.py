@@ -397,7 +397,8 @@ def test_mx_dispatch_needs_a_quantizing_recipe(tmp_path):
 @pytest.mark.parametrize("kw,match", [
     (dict(expert_parallel=3), "--experts 8 do not split over --expert-parallel 3"),
     (dict(expert_parallel=2, batch_size=5), "--batch-size 5 does not split over --expert-parallel 2"),
-    (dict(expert_parallel=0), "expert_parallel must be a positive integer"),
+    (dict(expert_parallel=0), r"expert_parallel must be an integer in \[1, 1,048,576\]"),
+    (dict(expert_parallel=2**70), r"expert_parallel must be an integer in \[1, 1,048,576\]"),
 ])
 def test_expert_parallel_settings_are_validated(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -240,6 +240,41 @@ def test_checkpoint_refuses_damage_and_code(mesh2, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def _edit_latest(run: Path, fn) -> None:
+    path = run / SHARDED_CHECKPOINT_DIR / "latest.json"
+    latest = json.loads(path.read_text())
+    fn(latest)
+    path.write_text(json.dumps(latest))
+
+
+# a damaged index of a sharded checkpoint (latest.json is not covered by the checksums it
+# holds): eval and export refuse it in one line, without waiting on a FIFO
+DAMAGED_INDEXES = {
+    "a FIFO": (lambda run: (os.remove(run / SHARDED_CHECKPOINT_DIR / "latest.json"),
+                            os.mkfifo(run / SHARDED_CHECKPOINT_DIR / "latest.json")), "is a FIFO"),
+    "a negative step": (lambda run: _edit_latest(run, lambda m: m.update(step=-1)), "with a step >= 0"),
+    "settings that do not fit the shards": (
+        lambda run: _edit_latest(run, lambda m: m["train_config"]["model"].update(d_model=128)),
+        "does not fit the model of its own settings in latest.json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_INDEXES)
+def test_a_damaged_index_is_refused_by_eval_and_export(mesh2, tmp_path, capsys, damage):
+    from mxmoe.cli import main
+
+    out, _ = mesh2
+    run = tmp_path / "run"
+    shutil.copytree(out / "runs" / "2x1_mxfp8_bfloat16", run)
+    make, message = DAMAGED_INDEXES[damage]
+    make(run)
+    for argv in (["eval", str(run), "--device", "cpu"], ["export", str(run), str(tmp_path / "x.safetensors")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 def test_resume_refuses_the_other_checkpoint_kind(mesh2, tmp_path, text_file):
     """A sharded checkpoint is resumed only by a mesh run, a single-file one only without
     --data-parallel-shard; each refusal says which flags to use."""
@@ -326,9 +361,12 @@ def test_mx_weight_gather_layer_matches_single_process(mesh2):
     (dict(data_parallel_shard=2, expert_parallel=2, model=ModelConfig(n_experts=6)),
      "--experts 6 do not split over the mesh --data-parallel-shard 2 x --expert-parallel 2 = 4 ranks"),
     (dict(data_parallel_shard=2, batch_size=5), "--batch-size 5 does not split over the mesh"),
-    (dict(data_parallel_shard=-1), "data_parallel_shard must be an integer >= 0"),
+    (dict(data_parallel_shard=-1), r"data_parallel_shard must be an integer in \[0, 1,048,576\]"),
+    (dict(data_parallel_shard=2**70), r"data_parallel_shard must be an integer in \[0, 1,048,576\]"),
     (dict(mx_weight_gather=True), "--mx-weight-gather gathers expert weights as MXFP8 on the mesh"),
-    (dict(mx_weight_gather=True, data_parallel_shard=1, recipe="bf16"), "and a quantizing recipe"),
+    (dict(mx_weight_gather=True, data_parallel_shard=1, recipe="bf16"), "a quantizing recipe .* got .* recipe 'bf16'"),
+    (dict(mx_weight_gather=True, data_parallel_shard=1, model=ModelConfig(quantized=("attention",))),
+     "the experts quantized .* recipe 'mxfp8' and --quantize 'attention'"),
 ])
 def test_mesh_settings_are_validated(kw, match):
     with pytest.raises(ValueError, match=match):

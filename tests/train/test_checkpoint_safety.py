@@ -138,7 +138,8 @@ def test_load_checkpoint_refuses_and_reports_other_files(tmp_path):
     with pytest.raises(ValueError, match=r"'.*e\.pt' is not an mxmoe checkpoint \(a list without a 'step'\)"):
         load_checkpoint(tmp_path / "e.pt")
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*missing/checkpoint\.pt': it does not exist; "
-                                                r"pass a run directory, .* train without --resume"):
+                                                r"pass a run directory, its checkpoint.pt or \(to eval\) an mxmoe "
+                                                r"export$"):
         load_checkpoint(tmp_path / "missing")
     for name in ("missing.pt", "missing.safetensors", "missing.bin"):  # a file name: not taken for a run directory
         with pytest.raises(FileNotFoundError, match=rf"no checkpoint at '[^']*{name}': "):

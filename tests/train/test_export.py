@@ -134,6 +134,10 @@ def test_export_write_is_atomic(run_dir, tmp_path, monkeypatch):
     (["export", "{run}", "{tmp}"], "is a directory"),
     (["export", "{tmp}/junk.bin", "{tmp}/o.safetensors"], "is not a readable torch checkpoint"),
     (["eval", "{tmp}/missing.safetensors"], "does not exist"),
+    (["eval", ""], "the checkpoint path is empty"),
+    (["eval", "  "], "the checkpoint path is empty"),
+    (["export", "", "{tmp}/o.safetensors"], "the checkpoint path is empty"),
+    (["eval", "{tmp}/nonexistent_run"], "an mxmoe export\n"),  # no --resume advice outside train
     (["eval", "{run}", "--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["eval", "{run}", "--eval-batches", "0"], "--eval-batches must be a positive integer, got 0"),
     (["eval", "{run}", "--batch-size", "0"], "--batch-size must be a positive integer, got 0"),

@@ -394,3 +394,10 @@ def test_compare_refuses_the_triton_backend_off_cuda_before_training(corpus, tmp
                  "--out-dir", str(out)]) == 2
     assert "--quant-backend triton runs the Triton kernels, which need a CUDA device" in capsys.readouterr().err
     assert not (out / "bf16").exists()  # nothing trained first
+
+
+def test_resume_without_a_checkpoint_says_how_to_start(corpus, tmp_path, capsys):
+    assert main(["train", *FLAGS, "--data", str(corpus), "--steps", "2", "--out-dir", str(tmp_path / "new"),
+                 "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint at" in err and "train without --resume" in err and err.count("\n") == 1, err

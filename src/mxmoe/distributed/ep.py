@@ -253,12 +253,19 @@ def dispatch_capacity(tokens: int, top_k: int, n_local: int, world_size: int,
         C >= 0 (0 only for T = 0).
 
     Raises:
-        ValueError: a capacity factor that is not a positive finite number.
+        ValueError: ``tokens`` not an integer >= 0, ``top_k``/``n_local``/``world_size``
+            not integers >= 1, or a capacity factor that is not a positive finite number.
     """
+    for name, value, low in (("tokens", tokens, 0), ("top_k", top_k, 1), ("n_local", n_local, 1),
+                             ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    _check_capacity_factor(capacity_factor)
     worst = tokens * min(top_k, n_local)
     if capacity_factor is None:
         return worst
-    return min(worst, math.ceil(capacity_factor * tokens * top_k / world_size))
+    # f >= P already gives the worst case; bounding f first keeps the product finite
+    return min(worst, math.ceil(min(capacity_factor, world_size) * tokens * top_k / world_size))
 
 
 def _check_capacity_factor(capacity_factor) -> None:
@@ -404,6 +411,8 @@ class ExpertParallelMoELayer(nn.Module):
     host-splits dispatch and for the default capacity).
 
     Raises:
+        TypeError: ``layer`` is not an mxmoe MoE layer; ``mx_dispatch``, ``mx_backward``
+            or ``overlap`` not a bool; ``comm_stats`` not a CommStats.
         ValueError: E not divisible by the group size; ``mx_dispatch`` with a recipe that
             does not quantize to an FP8 format; an unknown dispatch mode; a capacity
             factor that is not positive, or one given with the host-splits dispatch.
@@ -414,8 +423,17 @@ class ExpertParallelMoELayer(nn.Module):
                  capacity_factor: float | None = None, mx_backward: bool = False, overlap: bool = True,
                  batch_group=None):
         super().__init__()
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"ExpertParallelMoELayer wraps an mxmoe MoE layer (mxmoe.nn.MoE), got "
+                            f"{type(layer).__name__}")
+        for name, value in (("mx_backward", mx_backward), ("overlap", overlap)) + (
+                (("mx_dispatch", mx_dispatch),) if mx_dispatch is not None else ()):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if comm_stats is not None and not isinstance(comm_stats, CommStats):
+            raise TypeError(f"comm_stats must be a CommStats or None, got {type(comm_stats).__name__}")
         self.batch_group = batch_group
-        self.overlap = bool(overlap)
+        self.overlap = overlap
         self.last_overlapped: bool | None = None
         if mx_backward:
             _check_wire_recipe(layer.recipe)
@@ -642,8 +660,11 @@ def shard_experts(model: nn.Module, group=None, mx_dispatch: bool | None = None,
         The new layers, in module order.
 
     Raises:
+        TypeError: ``model`` is not an nn.Module; as :class:`ExpertParallelMoELayer`.
         ValueError: as :class:`ExpertParallelMoELayer`.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard_experts takes the model (an nn.Module), got {type(model).__name__}")
     layers = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):

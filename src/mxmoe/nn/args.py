@@ -53,3 +53,15 @@ def check_parameter_dtype(dtype: object, recipe: Recipe, who: str) -> None:
     if recipe.quantize and dtype not in MX_INPUT_DTYPES:
         raise TypeError(f"{who}: recipe {recipe.name!r} quantizes the weights and reads float32, bfloat16 or "
                         f"float16; got dtype {dtype}")
+
+
+def check_flags(**flags: object) -> None:
+    """Check on/off arguments: each must be a ``bool`` (a string such as "no" is truthy and
+    would switch the feature on).
+
+    Raises:
+        TypeError: naming the first argument that is not True or False.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -38,7 +38,7 @@ from ..ops.combine import combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..ops.quantize import check_weight_dtype
 from ..recipe import Recipe, get_recipe
-from .args import check_parameter_dtype, check_size
+from .args import check_flags, check_parameter_dtype, check_size
 from .recipe_module import RecipeModule
 
 
@@ -86,6 +86,8 @@ class TopKRouter(nn.Module):
 
     def __init__(self, d_model: int, n_experts: int, top_k: int):
         super().__init__()
+        check_size("d_model", d_model)
+        check_size("n_experts", n_experts)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be an integer in [1, n_experts={n_experts}], got {top_k!r}")
         self.n_experts, self.top_k = n_experts, top_k
@@ -357,6 +359,7 @@ class MoE(RecipeModule, nn.Module):
                             ("n_layers", n_layers)):
             check_size(name, value)
         check_size("shared_expert_hidden", shared_expert_hidden, minimum=0)
+        check_flags(fused=fused, mx_dispatch=mx_dispatch)
         recipe = get_recipe(recipe)
         _check_mx_dispatch(mx_dispatch, recipe)
         self.d_model, self.d_expert = d_model, d_expert
@@ -383,7 +386,8 @@ class MoE(RecipeModule, nn.Module):
 
     @fused.setter
     def fused(self, value: bool) -> None:
-        self.prefer_fused = bool(value)
+        check_flags(fused=value)
+        self.prefer_fused = value
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_experts={self.n_experts}, top_k={self.top_k}, "
@@ -463,6 +467,7 @@ class GroupedExperts(RecipeModule, nn.Module):
         for name, value in (("n_experts", n_experts), ("d_model", d_model), ("d_expert", d_expert),
                             ("n_layers", n_layers)):
             check_size(name, value)
+        check_flags(fused=fused)
         self.n_experts, self.d_model, self.d_expert = n_experts, d_model, d_expert
         self._recipe = get_recipe(recipe)
         check_parameter_dtype(dtype, self._recipe, "GroupedExperts")
@@ -480,7 +485,8 @@ class GroupedExperts(RecipeModule, nn.Module):
 
     @fused.setter
     def fused(self, value: bool) -> None:
-        self.prefer_fused = bool(value)
+        check_flags(fused=value)
+        self.prefer_fused = value
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, d_model={self.d_model}, d_expert={self.d_expert}, "

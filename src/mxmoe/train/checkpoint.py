@@ -232,9 +232,11 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is a directory (a ``checkpoint.pt`` that is a directory), a
-            FIFO, a device or a socket.
+        ValueError: an empty path (not taken for the current directory); the file is a
+            directory (a ``checkpoint.pt`` that is a directory), a FIFO, a device or a socket.
     """
+    if not str(path).strip():  # Path("") is the current directory: never read a checkpoint from it by accident
+        raise ValueError("the checkpoint path is empty; pass a run directory, its checkpoint.pt or an mxmoe export")
     path = Path(path)
     if path.is_dir():
         inner = path / CHECKPOINT_NAME
@@ -244,9 +246,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
         path = path / CHECKPOINT_NAME
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}: it does not exist; pass a run directory, its "
-                                f"{CHECKPOINT_NAME} or (to eval) an mxmoe export; to start a new run rather than "
-                                f"resume one, train without --resume (with --overwrite if the directory holds a run "
-                                f"stopped before its first checkpoint)")
+                                f"{CHECKPOINT_NAME} or (to eval) an mxmoe export")
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a directory, not a checkpoint file; pass a run directory holding a "
                          f"{CHECKPOINT_NAME} file, or the file itself")

@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 
 from ..distributed.ep import expert_parameter_names
 from ..distributed.mesh import ExpertParallelMesh, global_expert_view, local_tensor
-from .checkpoint import _fsync_dir, atomic_write_bytes
+from .checkpoint import _fsync_dir, atomic_write_bytes, check_regular_file
 
 SHARDED_CHECKPOINT_DIR = "checkpoint.dcp"
 LATEST_NAME = "latest.json"
@@ -232,16 +232,17 @@ def save_sharded_checkpoint(out_dir: Path, state: dict[str, Any], info: dict[str
 
 def _read_latest(root: Path) -> dict[str, Any]:
     path = root / LATEST_NAME
+    check_regular_file(path, "a sharded checkpoint index")  # a FIFO would be read forever
     try:
         latest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{str(path)!r} is not readable JSON ({type(e).__name__}); the sharded checkpoint cannot "
                          f"be resumed") from None
     if not isinstance(latest, dict) or latest.get("format") != FORMAT or not isinstance(latest.get("step"), int) \
-            or isinstance(latest.get("step"), bool) or not isinstance(latest.get("dir"), str) \
+            or isinstance(latest.get("step"), bool) or latest["step"] < 0 or not isinstance(latest.get("dir"), str) \
             or not isinstance(latest.get("files"), dict):
-        raise ValueError(f"{str(path)!r} is not an mxmoe sharded checkpoint index (format {FORMAT!r} with step, "
-                         f"dir and files)")
+        raise ValueError(f"{str(path)!r} is not an mxmoe sharded checkpoint index (format {FORMAT!r} with a step "
+                         f">= 0, dir and files)")
     return latest
 
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
@@ -57,6 +58,7 @@ from .checkpoint import (
 from .data import Corpus, eval_batches, load_corpus, random_batch
 from .fsdp_step import FSDPExpertParallelStep
 from .sharded_checkpoint import (
+    LATEST_NAME,
     SHARDED_CHECKPOINT_DIR,
     has_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -94,6 +96,9 @@ MAX_TOKENS_PER_STEP = 2**31
 MAX_EVAL_TOKENS = 2**27
 # bytes each parameter takes in training: float32 weight and gradient, AdamW's two moments
 TRAIN_BYTES_PER_PARAMETER = 16
+# the most ranks a mesh dimension may have (--expert-parallel, --data-parallel-shard): far
+# beyond any machine, small enough that the products of the checks stay readable
+MAX_RANKS = 2**20
 # the advisory lock a run holds on its --out-dir while it writes there (fcntl.flock)
 LOCK_NAME = ".mxmoe.lock"
 # the checkpoint key of the training corpus's token hash (Corpus.fingerprint): a resume
@@ -231,14 +236,14 @@ class TrainConfig:
             _bad(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
         self.model.validate()
         if isinstance(self.expert_parallel, bool) or not isinstance(self.expert_parallel, int) \
-                or self.expert_parallel < 1:
-            _bad(f"expert_parallel must be a positive integer, got {self.expert_parallel!r}")
+                or not 1 <= self.expert_parallel <= MAX_RANKS:
+            _bad(f"expert_parallel must be an integer in [1, {MAX_RANKS:,}] (2**20 ranks), got {self.expert_parallel!r}")
         if self.model.hf_config is not None and self.expert_parallel > 1:
             _bad(f"--expert-parallel {self.expert_parallel} runs mxmoe's own MoE layer; a transformers model "
                  f"(--hf-config) trains in one process: use --expert-parallel 1")
         D = self.data_parallel_shard
-        if isinstance(D, bool) or not isinstance(D, int) or D < 0:
-            _bad(f"data_parallel_shard must be an integer >= 0 (0: no mesh), got {D!r}")
+        if isinstance(D, bool) or not isinstance(D, int) or not 0 <= D <= MAX_RANKS:
+            _bad(f"data_parallel_shard must be an integer in [0, {MAX_RANKS:,}] (0: no mesh; 2**20 ranks), got {D!r}")
         if D:
             ranks = D * self.expert_parallel
             if self.model.hf_config is not None:
@@ -252,9 +257,10 @@ class TrainConfig:
                 _bad(f"--batch-size {self.batch_size} does not split over the mesh --data-parallel-shard {D} x "
                      f"--expert-parallel {self.expert_parallel} = {ranks} ranks; use a multiple of {ranks} (the global "
                      f"batch)")
-        if self.mx_weight_gather and not (D and RECIPES[self.recipe].quantize):
-            _bad(f"--mx-weight-gather gathers expert weights as MXFP8 on the mesh: it needs --data-parallel-shard D >= 1 "
-                 f"and a quantizing recipe (mxfp8, ...), got --data-parallel-shard {D} and recipe {self.recipe!r}")
+        if self.mx_weight_gather and not (D and RECIPES[self.recipe].quantize and "experts" in self.model.quantized):
+            _bad(f"--mx-weight-gather gathers expert weights as MXFP8 on the mesh: it needs --data-parallel-shard D >= 1, "
+                 f"a quantizing recipe (mxfp8, ...) and the experts quantized (--quantize experts,...); got "
+                 f"--data-parallel-shard {D}, recipe {self.recipe!r} and --quantize {','.join(self.model.quantized)!r}")
         if self.model.n_experts % self.expert_parallel:
             _bad(f"--experts {self.model.n_experts} do not split over --expert-parallel {self.expert_parallel} "
                  f"ranks; use a number of experts divisible by {self.expert_parallel}")
@@ -524,7 +530,12 @@ def _load_sharded_for_one_process(out: Path) -> tuple[Path, dict[str, Any], Trai
     step_dir = checkpoint["sharded_dir"]
     with torch.device("meta"):
         ref = build_model(cfg.model, get_recipe("bf16"))
-    state = read_whole_model_state(step_dir, {k: v.shape for k, v in ref.state_dict().items()})
+    try:
+        state = read_whole_model_state(step_dir, {k: v.shape for k, v in ref.state_dict().items()})
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:  # DCP: a tensor missing or reshaped
+        last = [line.strip() for line in str(e).splitlines() if line.strip()]  # DCP's message ends with the cause
+        raise ValueError(f"{str(step_dir)!r} does not fit the model of its own settings in {LATEST_NAME} "
+                         f"({(last[-1] if last else type(e).__name__)[:200]})") from None
     check_finite_state(step_dir, state, use="evaluated or exported")
     ckpt = {"step": checkpoint["step"], "model": state, "optimizer": {}, "train_config": checkpoint["train_config"]}
     return step_dir, ckpt, cfg
@@ -622,7 +633,12 @@ def prepare_run(cfg: TrainConfig, resume: bool, corpus: Corpus | None) -> Prepar
                 raise ValueError(f"{str(out)!r} holds a sharded checkpoint ({SHARDED_CHECKPOINT_DIR}) of a 2-D mesh run: "
                                  f"resume it with --data-parallel-shard D --expert-parallel P under torchrun (any mesh; "
                                  f"one process: --data-parallel-shard 1 --expert-parallel 1)")
-            _, checkpoint, saved = load_training_checkpoint(out)
+            try:
+                _, checkpoint, saved = load_training_checkpoint(out)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{e}; to start a new run rather than resume one, train without --resume "
+                                        f"(with --overwrite if the directory holds a run stopped before its first "
+                                        f"checkpoint)") from None
             _check_ranks(cfg, checkpoint, out)
         # the corpus by its tokens when the checkpoint has their hash (the path may be
         # spelled differently, or name another file), else by the --data text
