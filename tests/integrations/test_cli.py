@@ -111,10 +111,13 @@ _SMALL = ('"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
           '"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, '
           '"num_key_value_heads": 2, "vocab_size": 256')
 _CANNOT_BUILD = "transformers cannot build a qwen3_moe model|transformers refuses this qwen3_moe"
-for _name, _value in {"zero KV heads": '"num_key_value_heads": 0', "head_dim 0": '"head_dim": 0',
-                      "decoder_sparse_step 0": '"decoder_sparse_step": 0', "an unknown activation":
-                      '"hidden_act": "bogus"', "a negative width": '"hidden_size": -64'}.items():
-    BAD_CONFIGS[_name] = ("{" + _SMALL + ", " + _value + "}", _CANNOT_BUILD)
+for _name, (_value, _message) in {
+        "zero KV heads": ('"num_key_value_heads": 0', "has num_key_value_heads 0; it must be a positive integer"),
+        "head_dim 0": ('"head_dim": 0', "has head_dim 0; it must be a positive integer"),
+        "decoder_sparse_step 0": ('"decoder_sparse_step": 0', "has decoder_sparse_step 0; it must be a positive"),
+        "a negative width": ('"hidden_size": -64', "has hidden_size -64; it must be a positive integer"),
+        "an unknown activation": ('"hidden_act": "bogus"', _CANNOT_BUILD)}.items():
+    BAD_CONFIGS[_name] = ("{" + _SMALL + ", " + _value + "}", f"{_message}|transformers refuses this qwen3_moe")
 BAD_CONFIGS["a negative epsilon"] = ("{" + _SMALL + ', "rms_norm_eps": -1}',
                                      "rms_norm_eps -1; a normalization epsilon|transformers refuses this qwen3_moe")
 

@@ -342,7 +342,7 @@ def test_compare_reuse_resumes_an_interrupted_recipe_exactly(tmp_path, text_file
     (["--experts", "0"], "--experts must be a positive integer"),
     (["--top-k", "5"], "--top-k=5 exceeds --experts=4"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
-    (["--seq-len", "1000000"], "fewer than seq_len + 1"),
+    (["--seq-len", "1000000"], "fewer than --seq-len + 1"),
     (["--lr", "0"], "lr must be a positive number"),
 ])
 def test_compare_bad_flags_stop_before_any_run(tmp_path, text_file, capsys, flags, message):

@@ -225,7 +225,11 @@ def _poisoned_export(src: Path, dst: Path, how: str) -> None:
         tensors[quantized + ".e4m3"].view(torch.uint8)[0, 0] = 0x7F  # E4M3's NaN
     else:  # an E8M0 scale byte of 255: the block is NaN
         tensors[quantized + ".e8m0"][0, 0] = 255
-    save_file(tensors, dst, metadata=meta)
+    from mxmoe.train.checkpoint import state_checksums
+
+    info = _json.loads(meta["mxmoe"])
+    info["checksums"] = state_checksums(tensors)["tensors"]  # checksums of the bad values: they match
+    save_file(tensors, dst, metadata={**meta, "mxmoe": _json.dumps(info)})
 
 
 @pytest.mark.parametrize("how", ["a NaN bf16 weight", "NaN E4M3 codes", "an E8M0 scale of 255"])
@@ -401,3 +405,31 @@ def test_resume_without_a_checkpoint_says_how_to_start(corpus, tmp_path, capsys)
                  "--resume"]) == 2
     err = capsys.readouterr().err
     assert "no checkpoint at" in err and "train without --resume" in err and err.count("\n") == 1, err
+
+
+def test_an_export_whose_bytes_changed_is_refused(run_dir, tmp_path, capsys):
+    """A flipped bit anywhere in a tensor of an export (the checksums in its metadata)."""
+    good = tmp_path / "good.safetensors"
+    assert main(["export", str(run_dir), str(good)]) == 0
+    data = good.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    for offset in (header, header + (len(data) - header) // 2, len(data) - 1):
+        bad = tmp_path / f"flip{offset}.safetensors"
+        flipped = bytearray(data)
+        flipped[offset] ^= 0x01
+        bad.write_bytes(bytes(flipped))
+        capsys.readouterr()
+        assert main(["eval", str(bad), "--device", "cpu"]) == 2, offset
+        err = capsys.readouterr().err
+        assert f"{str(bad)!r} is damaged: its tensors do not match the checksums" in err and err.count("\n") == 1
+    assert main(["eval", str(good), "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_corpus_shorter_than_a_sequence_names_the_flag(tmp_path, capsys, command):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc")
+    assert main([command, *FLAGS, "--data", str(tiny), "--steps", "2", "--out-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "fewer than --seq-len + 1 = 33; use a longer corpus or a smaller --seq-len" in err, err
+    assert err.count("\n") == 1

@@ -290,7 +290,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, text_file):
     (["--shared-expert", "-4"], "--shared-expert must be an integer in [0, 2,147,483,647]"),
     (["--vocab-size", "0"], "--vocab-size must be a positive integer"),
     (["--aux-loss-coef", "nan"], "--aux-loss-coef must be a finite number >= 0"),
-    (["--seq-len", "1000000"], "fewer than seq_len + 1"),
+    (["--seq-len", "1000000"], "fewer than --seq-len + 1"),
 ])
 def test_cli_bad_flags_stop_before_work(tmp_path, capsys, flags, message):
     rc = main(["train", *TINY_FLAGS, "--out-dir", str(tmp_path / "o"), *flags])

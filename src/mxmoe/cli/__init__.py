@@ -308,7 +308,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(note, flush=True)
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
-    r = train(cfg, resume=args.resume, corpus=corpus)
+    try:
+        r = train(cfg, resume=args.resume, corpus=corpus)
+    except ValueError as e:  # the trainer's checks name settings: say the flags that set them
+        raise ValueError(flag_names(str(e))) from None
     if not is_main_process():  # under torchrun only rank 0 reports
         return 0
     print(f"done: {r.steps} steps in {r.wall_s:.1f} s | train loss {r.first_loss:.4f} -> {r.last_loss:.4f} "

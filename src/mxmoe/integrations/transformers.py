@@ -55,6 +55,7 @@ by :func:`convert_model`, naming the family.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -508,6 +509,13 @@ def model_config_from_hf(hf: dict, **fields) -> ModelConfig:
         raise ValueError(f"the {config.model_type} config: {message}") from None
 
 
+# config sizes that must be positive integers wherever a config has them (0 heads, a head_dim
+# of 0 or a sparse step of 0 would divide by zero inside the model's constructor)
+_POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "intermediate_size", "moe_intermediate_size", "decoder_sparse_step", "num_experts",
+                   "num_local_experts", "n_routed_experts", "num_experts_per_tok", "vocab_size")
+
+
 def _check_config_values(config, cls) -> None:
     """Refuse config values transformers accepts but cannot build or train with: a
     normalization epsilon that is not a positive number (``rms_norm_eps`` -1 trains into
@@ -518,14 +526,23 @@ def _check_config_values(config, cls) -> None:
     Raises:
         ValueError: naming the attribute (or transformers' own error) and the model type.
     """
-    for key, value in config.to_dict().items():
+    values = config.to_dict()
+    for key, value in values.items():
         if key.endswith(("_eps", "epsilon")) and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                                      and math.isfinite(value) and value > 0):
             raise ValueError(f"the {config.model_type} config has {key} {value!r}; a normalization epsilon must be a "
                              f"small positive number such as 1e-6")
+        if key in _POSITIVE_SIZES and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                              or value < 1):
+            raise ValueError(f"the {config.model_type} config has {key} {value!r}; it must be a positive integer")
+    small = copy.deepcopy(config)  # the layers repeat: two are enough to find a value they fail on (fast for
+    small.num_hidden_layers = min(getattr(config, "num_hidden_layers", 2) or 2, 2)  # 100,000-layer configs)
     try:
         with torch.device("meta"):
-            cls(config)
+            try:
+                cls(small)
+            except Exception:  # noqa: BLE001 - a family may tie per-layer lists to the layer count: build it all
+                cls(config)
     except Exception as e:  # noqa: BLE001 - transformers' constructors raise many types for bad values
         first = " ".join(str(e).split())[:200] or type(e).__name__
         raise ValueError(f"transformers cannot build a {config.model_type} model from this config "

@@ -172,7 +172,8 @@ def random_batch(tokens: Tensor, batch_size: int, seq_len: int, generator: torch
     """
     n = tokens.numel()
     if n < seq_len + 1:
-        raise ValueError(f"the token stream has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the token stream has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}; use a longer "
+                         f"corpus or a smaller seq_len")
     starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator)
     windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).to(torch.int64)
     return windows[:, :-1], windows[:, 1:]
@@ -183,7 +184,8 @@ def eval_batches(tokens: Tensor, batch_size: int, seq_len: int, n_batches: int) 
     (the same on every call), at most ``n_batches`` batches."""
     n = tokens.numel()
     if n < seq_len + 1:
-        raise ValueError(f"the validation stream has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the validation stream has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}; use a "
+                         f"longer corpus or a smaller seq_len")
     count = batch_size * n_batches
     starts = torch.linspace(0, n - seq_len - 1, count).long()
     windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).to(torch.int64)

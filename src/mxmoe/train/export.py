@@ -49,7 +49,14 @@ from ..numerics.formats import MX_BLOCK_SIZE, ElemFormat, ScaleMode
 from ..numerics.mx_tensor import MXTensor
 from ..ops.quantize import dequantize_mx, quantize_mx
 from ..recipe import RECIPES, get_recipe
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, check_finite_state, check_regular_file, resolve_checkpoint_path
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    atomic_write_bytes,
+    check_finite_state,
+    check_regular_file,
+    resolve_checkpoint_path,
+    state_checksums,
+)
 from .sharded_checkpoint import has_sharded_checkpoint
 from .data import eval_batches, load_corpus
 from .trainer import MAX_EVAL_TOKENS, TrainConfig, check_model_state, evaluate, resolve_device
@@ -209,6 +216,8 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
         "block_size": MX_BLOCK_SIZE, "scale_mode": mode.value, "scale_encoding": SCALE_ENCODING,
         "blocked_dim": -1, "quantized": shapes, "model": source.cfg.model.to_dict(),
         "train": source.cfg.to_dict(), "step": source.step, "source": str(source.path),
+        # sha256 of every tensor's dtype, shape and bytes: load_export refuses a file whose bytes changed
+        "checksums": state_checksums(tensors)["tensors"],
     }
     data = save(tensors, metadata={METADATA_KEY: json.dumps(meta)})
     atomic_write_bytes(dst, lambda f: f.write(data))
@@ -247,6 +256,14 @@ def load_export(path: str | Path) -> Source:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{str(path)!r} has export format version {meta.get('format_version')}; "
                          f"this mxmoe reads version {FORMAT_VERSION}")
+    stored = meta.get("checksums")  # exports written before checksums were added have none
+    if stored is not None:
+        now = state_checksums(tensors)["tensors"]
+        if not isinstance(stored, dict) or stored != now:
+            bad = sorted(k for k in set(now) | set(stored if isinstance(stored, dict) else {})
+                         if not isinstance(stored, dict) or now.get(k) != stored.get(k))
+            raise ValueError(f"{str(path)!r} is damaged: its tensors do not match the checksums stored in it "
+                             f"({', '.join(bad[:3]) or 'the checksums entry is malformed'}); export it again")
     try:  # every field and tensor the metadata names, read as the layout of the module docstring says
         mode = ScaleMode.parse(meta["scale_mode"])
         state = {}
