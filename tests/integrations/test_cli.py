@@ -103,7 +103,8 @@ BAD_CONFIGS = {
                                         '"num_key_value_heads": 3, "head_dim": 32}', "is not a multiple of"),
     "an odd head dimension": ('{"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 2, '
                               '"num_key_value_heads": 2, "head_dim": 21}',
-                              "head dimension 21|transformers refuses this qwen3_moe"),  # newer transformers check it
+                              "head_dim 21 is odd; rotary embeddings need an even one: use an even head_dim in the config"
+                              "|transformers refuses this qwen3_moe"),  # newer transformers check it
 }
 # values transformers' config accepts (some versions) but its model cannot be built or trained
 # with: refused by building the model on the meta device, or by the epsilon check

@@ -29,6 +29,7 @@ from ..distributed.launch import is_main_process
 from ..models import QUANTIZABLE, ModelConfig
 from ..recipe import BACKENDS, RECIPES
 from ..train import TrainConfig, load_corpus, train
+from ..train.data import eval_batches
 from ..train.checkpoint import CHECKPOINT_NAME, check_regular_file
 from ..train.cpu import set_threads_for_free_cores
 from ..train.trainer import CONFIG_NAME, default_activation_dtype, resolve_device
@@ -294,6 +295,20 @@ def _hf_model_config(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
                                 quantized=args.quantize, dtype=args.dtype)
 
 
+def check_corpus_length(corpus, cfg: TrainConfig) -> None:
+    """The trainer's check that both splits of the corpus hold a sequence (``seq_len + 1``
+    tokens), made before training so that its message names ``--seq-len``.
+
+    Raises:
+        ValueError: a split shorter than a sequence, naming the flag and what would work.
+    """
+    try:
+        for split in (corpus.train, corpus.val):
+            eval_batches(split, 1, cfg.seq_len, 1)
+    except ValueError as e:
+        raise ValueError(flag_names(str(e))) from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """`mxmoe train`: load the corpus, build the TrainConfig from the flags, train (or
     resume); returns the exit status."""
@@ -308,10 +323,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(note, flush=True)
     corpus = load_corpus(args.data)
     cfg = config_from_args(args, corpus.vocab_size)
-    try:
-        r = train(cfg, resume=args.resume, corpus=corpus)
-    except ValueError as e:  # the trainer's checks name settings: say the flags that set them
-        raise ValueError(flag_names(str(e))) from None
+    check_corpus_length(corpus, cfg)
+    r = train(cfg, resume=args.resume, corpus=corpus)
     if not is_main_process():  # under torchrun only rank 0 reports
         return 0
     print(f"done: {r.steps} steps in {r.wall_s:.1f} s | train loss {r.first_loss:.4f} -> {r.last_loss:.4f} "

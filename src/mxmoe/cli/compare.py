@@ -45,7 +45,7 @@ def damaged_runs_message(out_dir, e: Exception) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """`mxmoe compare`: train the same model under each recipe in turn, then write the side-by-side report."""
-    from . import config_from_args, flag_names, resolve_dtype_flag
+    from . import check_corpus_length, config_from_args, resolve_dtype_flag
 
     note = resolve_dtype_flag(args)
     if note:
@@ -53,11 +53,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     corpus = load_corpus(args.data)
     args.recipe = args.recipes[0]
     cfg = config_from_args(args, corpus.vocab_size)
+    check_corpus_length(corpus, cfg)
     try:
         report = run_compare(cfg, args.recipes, args.out_dir, reuse=args.reuse, corpus=corpus,
                              peak_tflops=args.peak_tflops)
-    except ValueError as e:  # the checks name settings: say the flags that set them
-        raise ValueError(flag_names(str(e))) from None
     except RecipeRunError as e:
         print(f"mxmoe compare: error: {e}", file=sys.stderr)
         return e.returncode

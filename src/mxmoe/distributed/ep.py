@@ -151,9 +151,9 @@ def unpack_mx_rows(buf_TB: Tensor, d_model: int, recipe: Recipe, dtype: torch.dt
     return dequantize_mx(mx, dtype, backend=recipe.backend)
 
 
-def _check_wire_recipe(recipe: Recipe) -> None:
+def _check_wire_recipe(recipe: Recipe, what: str = "MXFP8 dispatch") -> None:
     if not recipe.quantize or recipe.fmt not in WIRE_FORMATS:
-        raise ValueError(f"MXFP8 dispatch needs a quantizing recipe with FP8 elements ({[f.value for f in WIRE_FORMATS]}), "
+        raise ValueError(f"{what} needs a quantizing recipe with FP8 elements ({[f.value for f in WIRE_FORMATS]}), "
                          f"got {recipe.name!r} (quantize={recipe.quantize}, fmt={recipe.fmt.value})")
 
 
@@ -271,8 +271,12 @@ def dispatch_capacity(tokens: int, top_k: int, n_local: int, world_size: int,
 def _check_capacity_factor(capacity_factor) -> None:
     if capacity_factor is None:
         return
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
-            or not math.isfinite(capacity_factor) or capacity_factor <= 0:
+    try:  # a Python int past float's range (10**400) is not a usable factor either
+        finite = not isinstance(capacity_factor, bool) and isinstance(capacity_factor, (int, float)) \
+            and math.isfinite(float(capacity_factor))
+    except OverflowError:
+        finite = False
+    if not finite or capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be a positive number (rows per rank pair relative to a balanced "
                          f"routing, e.g. 1.25) or None (worst case: never drops), got {capacity_factor!r}")
 
@@ -436,7 +440,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.overlap = overlap
         self.last_overlapped: bool | None = None
         if mx_backward:
-            _check_wire_recipe(layer.recipe)
+            _check_wire_recipe(layer.recipe, "mx_backward (MXFP8 gradients on the wire)")
         self.mx_backward = mx_backward
         self.last_mx_backward: bool | None = None
         try:

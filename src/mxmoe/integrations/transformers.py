@@ -573,8 +573,10 @@ def _check_attention_heads(config) -> None:
                              f"heads; use --heads dividing --width")
         head_dim = hidden // heads
     if head_dim % 2:
-        raise ValueError(f"{config.model_type}: head dimension {head_dim} (hidden_size {hidden} / {heads} heads) is "
-                         f"odd; rotary embeddings need an even one: use --heads giving an even --width / --heads")
+        given = getattr(config, "head_dim", None) is not None
+        source = f"head_dim {head_dim}" if given else f"head dimension {head_dim} (hidden_size {hidden} / {heads} heads)"
+        fix = "use an even head_dim in the config" if given else "use --heads giving an even --width / --heads"
+        raise ValueError(f"{config.model_type}: {source} is odd; rotary embeddings need an even one: {fix}")
 
 
 class TransformersCausalLM(nn.Module):
