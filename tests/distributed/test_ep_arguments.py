@@ -80,3 +80,12 @@ def test_a_huge_capacity_factor_is_the_worst_case(group):
 def test_dispatch_capacity_checks_its_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         dispatch_capacity(*args)
+
+
+def test_an_input_of_the_wrong_width_is_refused_like_the_moe_layer(group):
+    ep = ExpertParallelMoELayer(_layer())
+    with pytest.raises(ValueError, match=r"ExpertParallelMoELayer takes activations of shape \(\.\.\., D=32\), got "
+                                         r"\(2, 8, 16\)"):
+        ep(torch.randn(2, 8, 16))
+    y, _ = ep(torch.randn(2, 8, 32))
+    assert y.shape == (2, 8, 32)

@@ -135,6 +135,8 @@ def test_export_write_is_atomic(run_dir, tmp_path, monkeypatch):
     (["export", "{tmp}/junk.bin", "{tmp}/o.safetensors"], "is not a readable torch checkpoint"),
     (["eval", "{tmp}/missing.safetensors"], "does not exist"),
     (["eval", ""], "the checkpoint path is empty"),
+    (["export", "{run}", "{tmp}/o.safetensors", "--format", "bf16", "--scale-mode", "floor"],
+     "--format bf16 stores no scales"),
     (["eval", "  "], "the checkpoint path is empty"),
     (["export", "", "{tmp}/o.safetensors"], "the checkpoint path is empty"),
     (["eval", "{tmp}/nonexistent_run"], "an mxmoe export\n"),  # no --resume advice outside train
@@ -164,6 +166,13 @@ def test_eval_refuses_the_triton_backend_off_cuda(run_dir, capsys, monkeypatch):
     assert main(["eval", str(run_dir), "--quant-backend", "triton", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--quant-backend triton runs the Triton kernels, which need a CUDA device" in err and "backend=" not in err
+
+
+def test_export_of_an_export_says_what_it_reads(run_dir, tmp_path, capsys):
+    first = tmp_path / "a.safetensors"
+    assert main(["export", str(run_dir), str(first)]) == 0
+    assert main(["export", str(first), str(tmp_path / "b.safetensors")]) == 2
+    assert "is already an mxmoe export; mxmoe export reads a training checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -82,7 +82,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..nn.moe import MoEAux, MoELayer, SwiGLUExperts, combine_weighted, runs_fused, tokens_per_expert
+from ..nn.moe import (
+    MoEAux,
+    MoELayer,
+    SwiGLUExperts,
+    check_activations,
+    combine_weighted,
+    runs_fused,
+    tokens_per_expert,
+)
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
@@ -496,6 +504,7 @@ class ExpertParallelMoELayer(nn.Module):
         locally, all-to-all the rows to the ranks that own their experts (MXFP8 codes +
         scales with ``mx_dispatch``), run the local experts, all-to-all back, combine. Every
         rank must call it (collectives); the module docstring has the data flow."""
+        check_activations(x, self.router.weight.shape[1], type(self).__name__)
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)

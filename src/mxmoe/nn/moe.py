@@ -223,8 +223,13 @@ def _check_mx_dispatch(mx_dispatch: bool, recipe: Recipe) -> None:
                          f"under {recipe.name!r} the expert GEMMs read unrounded rows")
 
 
-def _check_activations(x: Tensor, d_model: int, who: str) -> None:
-    """TypeError / ValueError unless x is a float32/bfloat16/float16 tensor (..., d_model)."""
+def check_activations(x: Tensor, d_model: int, who: str) -> None:
+    """TypeError / ValueError unless x is a float32/bfloat16/float16 tensor (..., d_model)
+    (the input check of :class:`MoE`, :class:`GroupedExperts` and the expert-parallel layer).
+
+    Raises:
+        TypeError: not a tensor, or another dtype. ValueError: 0-d, or last dim not d_model.
+    """
     if not isinstance(x, Tensor):
         raise TypeError(f"{who} takes a tensor of activations, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -403,7 +408,7 @@ class MoE(RecipeModule, nn.Module):
         Raises:
             TypeError: x not a float32/bfloat16/float16 tensor. ValueError: x.shape[-1] != D.
         """
-        _check_activations(x, self.d_model, type(self).__name__)
+        check_activations(x, self.d_model, type(self).__name__)
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         r = self.router(x_TD)
@@ -514,7 +519,7 @@ class GroupedExperts(RecipeModule, nn.Module):
                 CPU an expert index outside [0, E) (on CUDA it is not checked, which would
                 cost a host sync: an out-of-range index fails in a device-side assert).
         """
-        _check_activations(x_TD, self.d_model, "GroupedExperts")
+        check_activations(x_TD, self.d_model, "GroupedExperts")
         if x_TD.dim() != 2:
             raise ValueError(f"GroupedExperts takes x of shape (T, D={self.d_model}), got {tuple(x_TD.shape)}: "
                              f"flatten the leading dimensions with x.reshape(-1, {self.d_model})")

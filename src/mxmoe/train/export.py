@@ -176,11 +176,17 @@ def export_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp8",
 
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "bf16" and scale_mode is not None:
+        raise ValueError(f"--scale-mode {scale_mode} chooses the MXFP8 scales; --format bf16 stores no scales: drop "
+                         f"--scale-mode or use --format mxfp8")
     if str(dst).endswith(("/", os.sep)):
         raise ValueError(f"{str(dst)!r} names a directory; pass a file name such as {dst!s}model.safetensors")
     dst = Path(dst)
     if dst.is_dir():
         raise ValueError(f"{str(dst)!r} is a directory; pass a file name such as model.safetensors")
+    if str(src).strip() and Path(src).is_file() and is_mxmoe_export(Path(src)):
+        raise ValueError(f"{str(src)!r} is already an mxmoe export; mxmoe export reads a training checkpoint (a run "
+                         f"directory or its checkpoint.pt)")
     source = load_training_checkpoint(src)
     if source.cfg.model.hf_config is not None:
         raise ValueError(f"{str(src)!r} trained a transformers model ({source.cfg.model.hf_config['model_type']}); "
