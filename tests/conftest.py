@@ -1,6 +1,6 @@
 """Test session setup: without a GPU, Triton kernels run in the Triton interpreter
 (TRITON_INTERPRET must be set before triton is imported). Shared fixtures: ``corpus``,
-``tiny_flags`` and ``tiny_run``."""
+``tiny_flags``, ``tiny_run`` and ``group`` (a one-rank gloo process group)."""
 
 import os
 from pathlib import Path
@@ -44,3 +44,18 @@ def tiny_run(tmp_path_factory, corpus, tiny_flags) -> Path:
     out = tmp_path_factory.mktemp("tiny_run") / "r"
     assert main(["train", *tiny_flags, "--data", str(corpus), "--steps", "2", "--out-dir", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo process group in this process (the default group, so collectives
+    take ``group=None``; an all-to-all is then the identity), for checks of the
+    expert-parallel pieces that need no second process."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield None
+    if owned:
+        dist.destroy_process_group()

@@ -16,7 +16,6 @@ import pkgutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import mxmoe
@@ -161,17 +160,6 @@ SUPPORTED = {
     "mxmoe.distributed.collectives.AllToAllWait": case_overlapped_all_to_all,
     "mxmoe.distributed.ep._CombineExchange": case_mx_combine_gradient,
 }
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank gloo group in this process (the exchanges are then the identity)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield None
-    if owned:
-        dist.destroy_process_group()
 
 
 def test_every_autograd_function_has_a_case():

@@ -7,20 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mxmoe.distributed.ep import ExpertParallelMoELayer, dispatch_capacity, shard_experts
 from mxmoe.nn import GroupedExperts, MoE
-
-
-@pytest.fixture(scope="module")
-def group():
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield None
-    if owned:
-        dist.destroy_process_group()
 
 
 def _layer() -> MoE:
