@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..numerics.formats import ScaleMode
 from ..recipe import BACKENDS
 from ..recipe import RECIPES
 from ..train.export import EXPORT_FORMATS, evaluate_source, export_checkpoint
-from ..train.trainer import resolve_device
+from ..train.trainer import check_quant_backend_device, resolve_device
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -34,16 +33,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from . import flag_names
 
     try:
-        if args.quant_backend == "triton" and resolve_device(args.device).type != "cuda" \
-                and os.environ.get("TRITON_INTERPRET", "") != "1":
-            raise ValueError("--quant-backend triton runs the Triton kernels, which need a CUDA device; use "
-                             "--quant-backend reference or auto on the CPU")
+        # checked before the checkpoint is read (it names the recipe), so for every recipe
+        check_quant_backend_device(args.quant_backend, True, resolve_device(args.device))
         r = evaluate_source(args.source, data=args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                             n_batches=args.eval_batches, recipe=args.recipe, quant_backend=args.quant_backend,
                             device=args.device)
     except ValueError as e:
-        flags = frozenset({"--data", "--batch-size", "--seq-len", "--eval-batches", "--recipe", "--device"})
-        raise ValueError(flag_names(str(e), flags, EVAL_FIELD_FLAGS)) from None
+        raise ValueError(flag_names(str(e), frozenset(EVAL_FIELD_FLAGS.values()), EVAL_FIELD_FLAGS)) from None
     print(f"val loss {r.val_loss:.6f} | {r.batches} batches of {r.batch_size} x {r.seq_len} tokens "
           f"| recipe {r.recipe} | {r.kind} at step {r.step} | {r.path} | device {r.device}")
     return 0

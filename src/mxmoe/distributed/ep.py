@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..nn.args import check_flags
 from ..nn.moe import (
     MoEAux,
     MoELayer,
@@ -438,10 +439,8 @@ class ExpertParallelMoELayer(nn.Module):
         if not isinstance(layer, MoELayer):
             raise TypeError(f"ExpertParallelMoELayer wraps an mxmoe MoE layer (mxmoe.nn.MoE), got "
                             f"{type(layer).__name__}")
-        for name, value in (("mx_backward", mx_backward), ("overlap", overlap)) + (
-                (("mx_dispatch", mx_dispatch),) if mx_dispatch is not None else ()):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_flags(mx_backward=mx_backward, overlap=overlap,
+                    **({} if mx_dispatch is None else {"mx_dispatch": mx_dispatch}))
         if comm_stats is not None and not isinstance(comm_stats, CommStats):
             raise TypeError(f"comm_stats must be a CommStats or None, got {type(comm_stats).__name__}")
         self.batch_group = batch_group

@@ -178,6 +178,12 @@ def save_checkpoint(out_dir: Path, state: dict[str, Any]) -> Path:
     return path
 
 
+def changed_tensors(stored: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The names whose digest in ``now`` (:func:`state_checksums`' ``"tensors"``) differs
+    from ``stored``, a tensor present in only one of them included; sorted."""
+    return sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k))
+
+
 def _verify_checksums(path: Path, ckpt: dict[str, Any]) -> None:
     """Raise a one-line ValueError naming ``path`` and the first part whose content hash
     differs from the one stored in it."""
@@ -188,9 +194,9 @@ def _verify_checksums(path: Path, ckpt: dict[str, Any]) -> None:
             or not isinstance(stored.get("tensors"), dict):
         raise ValueError(f"{damaged}: its checksums entry is malformed; use an earlier checkpoint or start anew")
     now = state_checksums(ckpt)
-    for name in sorted(set(now["tensors"]) | set(stored["tensors"])):
-        if now["tensors"].get(name) != stored["tensors"].get(name):
-            raise ValueError(f"{damaged}: tensor {name} differs; use an earlier checkpoint or start anew")
+    changed = changed_tensors(stored["tensors"], now["tensors"])
+    if changed:
+        raise ValueError(f"{damaged}: tensor {changed[0]} differs; use an earlier checkpoint or start anew")
     if now[_OTHER_VALUES] != stored.get(_OTHER_VALUES):
         raise ValueError(f"{damaged}: a value other than a tensor (step, settings, shapes) differs; use an earlier "
                          f"checkpoint or start anew")

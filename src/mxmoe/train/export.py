@@ -52,6 +52,7 @@ from ..recipe import RECIPES, get_recipe
 from .checkpoint import (
     CHECKPOINT_NAME,
     atomic_write_bytes,
+    changed_tensors,
     check_finite_state,
     check_regular_file,
     resolve_checkpoint_path,
@@ -264,12 +265,10 @@ def load_export(path: str | Path) -> Source:
                          f"this mxmoe reads version {FORMAT_VERSION}")
     stored = meta.get("checksums")  # exports written before checksums were added have none
     if stored is not None:
-        now = state_checksums(tensors)["tensors"]
-        if not isinstance(stored, dict) or stored != now:
-            bad = sorted(k for k in set(now) | set(stored if isinstance(stored, dict) else {})
-                         if not isinstance(stored, dict) or now.get(k) != stored.get(k))
+        changed = changed_tensors(stored, state_checksums(tensors)["tensors"]) if isinstance(stored, dict) else []
+        if changed or not isinstance(stored, dict):
             raise ValueError(f"{str(path)!r} is damaged: its tensors do not match the checksums stored in it "
-                             f"({', '.join(bad[:3]) or 'the checksums entry is malformed'}); export it again")
+                             f"({', '.join(changed[:3]) or 'the checksums entry is malformed'}); export it again")
     try:  # every field and tensor the metadata names, read as the layout of the module docstring says
         mode = ScaleMode.parse(meta["scale_mode"])
         state = {}

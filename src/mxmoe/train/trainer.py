@@ -738,7 +738,17 @@ def check_backend_device(cfg: TrainConfig, device: torch.device) -> None:
     Raises:
         ValueError: naming the device and what would work.
     """
-    if cfg.quant_backend == "triton" and RECIPES[cfg.recipe].quantize and device.type != "cuda" \
+    check_quant_backend_device(cfg.quant_backend, RECIPES[cfg.recipe].quantize, device)
+
+
+def check_quant_backend_device(quant_backend: str, quantizes: bool, device: torch.device) -> None:
+    """The rule of :func:`check_backend_device` for a backend name, whether the recipe
+    quantizes, and the device (``mxmoe eval`` checks its ``--quant-backend`` with it).
+
+    Raises:
+        ValueError: "triton" for a quantizing recipe off CUDA without ``TRITON_INTERPRET=1``.
+    """
+    if quant_backend == "triton" and quantizes and device.type != "cuda" \
             and os.environ.get("TRITON_INTERPRET", "") != "1":
         raise ValueError(f"--quant-backend triton runs the Triton kernels, which need a CUDA device; this run is on "
                          f"{device}: use --quant-backend auto or reference (the same bits), or set TRITON_INTERPRET=1 "
