@@ -15,6 +15,9 @@ before each step:
 - ``mxmoe mxfp8 (bf16 params)`` and ``mxmoe bf16 (bf16 params)``: both with bfloat16
   parameters (what FSDP2's MixedPrecisionPolicy hands the layer; the parameter mode of
   SonicMoE and the HF block);
+- ``mxmoe bf16 gathered (bf16 params)`` (sm90 with quack-kernels): the same layer with
+  ``MXMOE_EXPERT_ENGINE=quack``, i.e. experts and combine on QuACK's gathered grouped GEMMs
+  (:mod:`mxmoe.ops.moe_experts_gathered`), QuACK's autotuning bounded as for SonicMoE;
 - ``SonicMoE bf16`` (if ``import sonicmoe`` works, e.g. after ``source .hopper/activate``):
   ``sonicmoe.MoE`` with bf16 parameters, ``KernelBackendMoE.sonicmoe``. QuACK autotunes
   each GEMM over 44 sm90 configurations, compiling each on first use (minutes); by default
@@ -49,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import sys
 from typing import Any, Callable
 
@@ -64,8 +68,8 @@ from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "moe_layer"
 SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
-VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "mxmoe mxfp8 (bf16 params)", "mxmoe bf16 (bf16 params)", "SonicMoE bf16",
-            "HF grouped_mm bf16", "bf16 GEMM floor")
+VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "mxmoe mxfp8 (bf16 params)", "mxmoe bf16 (bf16 params)",
+            "mxmoe bf16 gathered (bf16 params)", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
 BF16_PARAMS = " (bf16 params)"  # suffix of the mxmoe variants with bf16 parameters
 STD = 0.02
 
@@ -96,25 +100,32 @@ def _keep_config(c, configs: str) -> bool:
         (c.cluster_m, c.cluster_n) in clusters
 
 
+def narrow_quack_autotuning(configs: str) -> None:
+    """Once, before QuACK's GEMM interface is imported (by SonicMoE or by mxmoe's gathered
+    experts): ``configs`` "one" or "narrow" replaces ``quack.gemm_config._get_sm90_configs``
+    by a filter of its list (:func:`_keep_config`), so that QuACK's autotuning compiles 1 or
+    6 kernels per GEMM kind instead of 44; "all" leaves it alone."""
+    if configs == "all" or _SONIC.get("narrowed"):
+        return
+    import quack.gemm_config as gemm_config
+
+    full = gemm_config._get_sm90_configs
+
+    def narrowed(epilogue=None, tune_coop=True):
+        all_configs = full(epilogue, tune_coop)
+        return [c for c in all_configs if _keep_config(c, configs)] or all_configs[:1]
+
+    gemm_config._get_sm90_configs = narrowed
+    _SONIC["narrowed"] = configs
+
+
 def load_sonicmoe(configs: str) -> dict[str, Any] | None:
     """Import SonicMoE once (None, with the reason in ``_SONIC["error"]``, if it is not
-    installed). ``configs`` "one" or "narrow": before QuACK's GEMM interface is imported,
-    replace ``quack.gemm_config._get_sm90_configs`` by a filter of its list
-    (:func:`_keep_config`), so that QuACK's autotuning compiles 1 or 6 kernels per GEMM kind
-    instead of 44; "all" leaves it alone."""
-    if _SONIC:
+    installed), QuACK's autotuning narrowed first (:func:`narrow_quack_autotuning`)."""
+    if "MoE" in _SONIC or "error" in _SONIC:
         return _SONIC if "MoE" in _SONIC else None
     try:
-        if configs != "all":
-            import quack.gemm_config as gemm_config
-
-            full = gemm_config._get_sm90_configs
-
-            def narrowed(epilogue=None, tune_coop=True):
-                all_configs = full(epilogue, tune_coop)
-                return [c for c in all_configs if _keep_config(c, configs)] or all_configs[:1]
-
-            gemm_config._get_sm90_configs = narrowed
+        narrow_quack_autotuning(configs)
         import sonicmoe
         from sonicmoe import KernelBackendMoE, MoE
         from sonicmoe.enums import ActivationType
@@ -196,6 +207,9 @@ def build(variant: str, D: int, F: int, E: int, k: int, dev: torch.device, args)
         recipe = get_recipe("mxfp8" if "mxfp8" in variant else "bf16")  # the Triton kernels on CUDA
         with torch.device(dev), default_dtype(param_dtype(variant, args)):
             layer = MoELayer(D, E, k, F, 1, recipe, fused=True)
+        if "gathered" in variant:
+            narrow_quack_autotuning(args.sonic_configs)
+            return layer, lambda x: gathered_engine(layer, x)
         return layer, lambda x: layer(x)[0]
     if variant == "SonicMoE bf16":
         sonic = load_sonicmoe(args.sonic_configs)
@@ -208,8 +222,28 @@ def build(variant: str, D: int, F: int, E: int, k: int, dev: torch.device, args)
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def gathered_engine(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward with ``MXMOE_EXPERT_ENGINE=quack`` (restored after)."""
+    old = os.environ.get("MXMOE_EXPERT_ENGINE")
+    os.environ["MXMOE_EXPERT_ENGINE"] = "quack"
+    try:
+        return layer(x)[0]
+    finally:
+        if old is None:
+            del os.environ["MXMOE_EXPERT_ENGINE"]
+        else:
+            os.environ["MXMOE_EXPERT_ENGINE"] = old
+
+
 def skip_reason(variant: str, args) -> str | None:
     """Why a variant does not run here (None: it runs)."""
+    if "gathered" in variant:
+        from mxmoe.kernels import quack_moe
+
+        if args.smoke or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+            return "sm90 GPU only"
+        if not quack_moe.available():
+            return "quack-kernels not importable (source .hopper/activate, or pip install 'mxmoe[hopper]')"
     if variant == "SonicMoE bf16":
         if args.smoke:
             return "CUDA only"
@@ -324,7 +358,7 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
         act = activation_bytes(forward, x, dev)
         note = ""
         if isinstance(module, MoELayer):
-            note = f"fused op ran: {module.last_ran_fused}, params {str(param_dtype(variant, args))[6:]}"
+            note = f"expert path: {module.last_expert_path}, params {str(param_dtype(variant, args))[6:]}"
         elif variant == "SonicMoE bf16":
             note = f"sonic-moe {_SONIC['version']}, QuACK configs: {_SONIC['configs']}"
         elif variant == "HF grouped_mm bf16":

@@ -8,7 +8,7 @@
 | :func:`triton_swiglu_backward` | codes + scales of h, d(act) (A, F) | dh (A, 2F), recomputed act (A, F) |
 | :func:`triton_combine_quantize` | y (A, D) sorted by expert, inv (A,), w (T, k) | y_TD (T, D) weighted sum over k; codes (A, D) + scales (A, D / 32) of y in (token, choice) order |
 | :func:`triton_combine_backward` | dy (T, D), w (T, k), codes + scales of y, inv (A,) | d(y sorted) (A, D), d(w) (T, k) float32 |
-| :func:`triton_sum_token_rows` | x (A, D), rows (T * k,) | (T, D): each token's k rows summed in float32 |
+| :func:`triton_sum_token_rows` | x (A, D), rows (T * k,), optional weights (T, k) | (T, D): each token's k rows summed (weighted) in float32 |
 
 D and F must be multiples of 32 (the callers in :mod:`mxmoe.ops.moe_experts` check and
 otherwise take the composed path). FP8 element formats only.
@@ -325,27 +325,34 @@ def _(dy_TD, w_Tk, yq_AD, ys_AD, inv_A):
 
 
 @torch.library.custom_op("mxmoe::sum_token_rows", mutates_args=())
-def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype) -> Tensor:
-    """out[t] = sum over j = 0..k-1 of x[rows[t * k + j]], in float32 in that order, rounded
-    once to ``out_dtype``: the un-permute of a routed gradient, a gather (deterministic, no
-    atomics). x (A, D) float32/bfloat16; rows (A,) int64, A = T * k. Returns (T, D)."""
+def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype,
+                          weights_Tk: Tensor | None = None) -> Tensor:
+    """out[t] = sum over j = 0..k-1 of x[rows[t * k + j]] (times weights[t, j] if given),
+    in float32 in that order, rounded once to ``out_dtype``: the un-permute of a routed
+    gradient, or with weights the combine of expert outputs; a gather (deterministic, no
+    atomics). x (A, D) float32/bfloat16; rows (A,) int64, A = T * k; weights (T, k)
+    float32. Returns (T, D)."""
     A, D = x_AD.shape
     _check_tensor(x_AD, "x")
     _check_rows(rows_A, "rows", A)
     if k < 1 or A % k:
         raise ValueError(f"{A} rows are not k = {k} rows per token")
     T = A // k
+    if weights_Tk is not None and (weights_Tk.dtype != torch.float32 or tuple(weights_Tk.shape) != (T, k)):
+        raise ValueError(f"weights must be float32 ({T}, {k}), one per row, got {weights_Tk.dtype} "
+                         f"{tuple(weights_Tk.shape)}")
     out = torch.empty(T, D, dtype=out_dtype, device=x_AD.device)
     if A and D:
         br, bc, w = _tile("sum_rows")
+        has_w = weights_Tk is not None
         km._sum_token_rows_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="sum rows")](
-            x_AD.contiguous(), rows_A.contiguous(), T, D, out, TOPK=k,
-            SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+            x_AD.contiguous(), rows_A.contiguous(), T, D, weights_Tk.contiguous() if has_w else x_AD, out, TOPK=k,
+            HAS_W=has_w, SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out
 
 
 @triton_sum_token_rows.register_fake
-def _(x_AD, rows_A, k, out_dtype):
+def _(x_AD, rows_A, k, out_dtype, weights_Tk=None):
     if k < 1:
         raise ValueError(f"k = {k}: at least one row per token")
     return x_AD.new_empty(x_AD.shape[0] // k, x_AD.shape[1], dtype=out_dtype)

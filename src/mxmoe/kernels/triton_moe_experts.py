@@ -199,8 +199,10 @@ def _combine_backward_kernel(
 @triton.jit
 def _sum_token_rows_kernel(
     x_ptr, rows_ptr, T, D,  # x (A, D); rows (T * k,) int64: the k rows of token t at rows[t * k:(t + 1) * k]
-    out_ptr,  # (T, D): sum over j of float32(x[rows[t * k + j]]), j = 0..k-1 in order, rounded once
-    TOPK: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    w_ptr,  # (T, k) float32 weights of the rows (read only with HAS_W)
+    out_ptr,  # (T, D): sum over j of [w[t, j] *] float32(x[rows[t * k + j]]), j = 0..k-1 in order, rounded once
+    TOPK: tl.constexpr, HAS_W: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
     tok = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -210,6 +212,9 @@ def _sum_token_rows_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(TOPK):
         row = tl.load(rows_ptr + tok * TOPK + j, mask=tok_ok, other=0)
-        acc += _to_float32(tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
+        v = _to_float32(tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
+        if HAS_W:
+            v = v * tl.load(w_ptr + tok * TOPK + j, mask=tok_ok, other=0.0)[:, None]
+        acc += v
     tl.store(out_ptr + tok[:, None] * D + cols[None, :], _from_float32(acc, out_ptr.dtype.element_ty, SOFT_CASTS),
              mask=mask)

@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import mx_grouped_mm, mx_linear
-from ..ops.backend import use_native_mx_grouped_mm
+from ..ops.backend import use_gathered_experts, use_native_mx_grouped_mm
 from ..ops.combine import combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
+from ..ops.moe_experts_gathered import gathered_moe_experts
 from ..ops.quantize import check_weight_dtype
 from ..recipe import Recipe, get_recipe
 from .args import check_flags, check_parameter_dtype, check_size
@@ -239,7 +240,7 @@ def check_activations(x: Tensor, d_model: int, who: str) -> None:
 
 
 def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
-                   recipe: Recipe, fused: bool, mx_dispatch: bool = False) -> tuple[Tensor, Tensor, bool]:
+                   recipe: Recipe, fused: bool, mx_dispatch: bool = False) -> tuple[Tensor, Tensor, str]:
     """Dispatch, SwiGLU experts and combine for a given routing: the expert path of
     :class:`MoE` and :class:`GroupedExperts` (one code path, so both compute the same bits).
 
@@ -248,7 +249,10 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
     :func:`~mxmoe.ops.moe_experts.mx_moe_experts` where :func:`runs_fused` holds, else
     :func:`swiglu_grouped_mm` on the gathered rows), undoes the sort and sums each token's
     k outputs weighted by ``weights_Tk`` (:func:`~mxmoe.ops.combine.combine_weighted`,
-    keeping the per-choice outputs for backward as MXFP8 on the fused path).
+    keeping the per-choice outputs for backward as MXFP8 on the fused path). Where
+    :func:`~mxmoe.ops.backend.use_gathered_experts` holds (the bf16 recipe on QuACK, opt-in)
+    experts and combine are one op instead
+    (:func:`~mxmoe.ops.moe_experts_gathered.gathered_moe_experts`).
 
     Args:
         x_TD: (T, D) float32/bfloat16/float16 activations.
@@ -261,7 +265,8 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
             gradient (:func:`~mxmoe.ops.combine.mx_round_rows`).
 
     Returns:
-        (y_TD (T, D) in x's dtype, tokens per expert (E,) int64, whether the fused op ran).
+        (y_TD (T, D) in x's dtype, tokens per expert (E,) int64, the path that ran:
+        "fused", "gathered" or "composed").
     """
     T, D = x_TD.shape
     k = experts_Tk.shape[1]
@@ -270,6 +275,8 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
     order_A = torch.argsort(experts_A, stable=True)
     counts_E = tokens_per_expert(experts_A, w13_E2FD.shape[0])
     offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    if not mx_dispatch and use_gathered_experts(x_TD, recipe, D, w2_EDF.shape[2]):
+        return gathered_moe_experts(x_TD, weights_Tk, w13_E2FD, w2_EDF, order_A, offsets_E, recipe), counts_E, "gathered"
     x_in_TD = mx_round_rows(x_TD, recipe) if mx_dispatch else x_TD
     ran_fused = runs_fused(fused, recipe, x_TD)
     if ran_fused:
@@ -282,7 +289,7 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
     # combine: undo the permutation, weight each choice, sum over k (the fused MXFP8 path
     # keeps the per-choice outputs for backward as MXFP8)
     y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, recipe if ran_fused else None)
-    return y_TD, counts_E, ran_fused
+    return y_TD, counts_E, "fused" if ran_fused else "composed"
 
 
 @dataclass
@@ -343,7 +350,8 @@ class MoE(RecipeModule, nn.Module):
     :class:`MoEAux`). Add the auxiliary losses to the training loss yourself, e.g.
     ``loss = ce + 0.01 * aux.aux_loss + 1e-3 * aux.z_loss`` (the coefficients of
     :class:`~mxmoe.models.ModelConfig`). ``fused`` says whether the layer is built for the
-    fused op under its current recipe; ``last_ran_fused`` whether the last forward ran it
+    fused op under its current recipe; ``last_ran_fused`` whether the last forward ran it,
+    ``last_expert_path`` which path ran ("fused", "gathered" or "composed": :func:`routed_experts`)
     (a float32 or float16 input runs the composed path: see :func:`runs_fused`; in
     float16, GEMM outputs beyond 65504 overflow as in any float16 model, and a gate that
     overflows to -inf makes the SwiGLU NaN: docs/ARCHITECTURE.md). After
@@ -377,6 +385,7 @@ class MoE(RecipeModule, nn.Module):
         self.shared = SwiGLU(d_model, shared_expert_hidden, n_layers) if shared_expert_hidden > 0 else None
         self.last_tokens_per_expert: Tensor | None = None
         self.last_ran_fused: bool | None = None  # whether the last forward ran the fused op (runs_fused)
+        self.last_expert_path: str | None = None  # "fused", "gathered" or "composed" (routed_experts)
 
     def _check_recipe(self, recipe: Recipe) -> None:
         """A recipe that does not quantize is refused while ``mx_dispatch`` is on."""
@@ -414,12 +423,13 @@ class MoE(RecipeModule, nn.Module):
         r = self.router(x_TD)
         check_weight_dtype(self.experts.w13, "experts.w13", "MoE", self._recipe)
         check_weight_dtype(self.experts.w2, "experts.w2", "MoE", self._recipe)
-        y_TD, counts_E, fused = routed_experts(x_TD, r.experts_Tk, r.weights_Tk, self.experts.w13, self.experts.w2,
-                                               self._recipe, self.fused, self.mx_dispatch)
+        y_TD, counts_E, path = routed_experts(x_TD, r.experts_Tk, r.weights_Tk, self.experts.w13, self.experts.w2,
+                                              self._recipe, self.fused, self.mx_dispatch)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self._recipe)
         self.last_tokens_per_expert = counts_E.detach()
-        self.last_ran_fused = fused  # set once the forward has run
+        self.last_ran_fused = path == "fused"  # set once the forward has run
+        self.last_expert_path = path
         aux = MoEAux(
             aux_loss=load_balancing_loss(r.probs_TE, r.experts_Tk),
             z_loss=router_z_loss(r.logits_TE),
@@ -482,6 +492,7 @@ class GroupedExperts(RecipeModule, nn.Module):
         init_expert_weights_(self.w13, self.w2, n_layers)
         self.last_tokens_per_expert: Tensor | None = None
         self.last_ran_fused: bool | None = None
+        self.last_expert_path: str | None = None
 
     @property
     def fused(self) -> bool:
@@ -510,7 +521,8 @@ class GroupedExperts(RecipeModule, nn.Module):
 
         Returns:
             (T, D) in x's dtype. ``last_tokens_per_expert`` then holds the (E,) int64 counts
-            and ``last_ran_fused`` whether the fused op ran.
+            and ``last_ran_fused`` whether the fused op ran (``last_expert_path``: which
+            path, :func:`routed_experts`).
 
         Raises:
             TypeError: x not float32/bfloat16/float16, experts_Tk not int64, weights_Tk not
@@ -544,8 +556,9 @@ class GroupedExperts(RecipeModule, nn.Module):
                 raise ValueError(f"expert indices must be in [0, {self.n_experts}), got values in [{lo}, {hi}]")
         check_weight_dtype(self.w13, "GroupedExperts.w13", "GroupedExperts", self._recipe)
         check_weight_dtype(self.w2, "GroupedExperts.w2", "GroupedExperts", self._recipe)
-        y_TD, counts_E, fused = routed_experts(x_TD, experts_Tk, weights_Tk, self.w13, self.w2, self._recipe,
-                                               self.fused)
+        y_TD, counts_E, path = routed_experts(x_TD, experts_Tk, weights_Tk, self.w13, self.w2, self._recipe,
+                                              self.fused)
         self.last_tokens_per_expert = counts_E.detach()
-        self.last_ran_fused = fused
+        self.last_ran_fused = path == "fused"
+        self.last_expert_path = path
         return y_TD

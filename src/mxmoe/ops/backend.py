@@ -1,7 +1,8 @@
 """Which implementation runs each pass: the one place the backend of a GEMM or quantizer
 is chosen.
 
-The rule (every choice gives the same bits; only speed and memory differ):
+The rule (every choice gives the same bits, except rule 4's bf16 experts, which agree to
+bf16 rounding; only speed and memory differ):
 
 1. Quantizers (``quantize_mx``, ``dequantize_mx``, ``fake_quantize_mx`` and every operand
    quantization of the recipe): :func:`use_triton`. The recipe's ``backend`` field decides:
@@ -26,7 +27,14 @@ The rule (every choice gives the same bits; only speed and memory differ):
 3. The fused MXFP8 expert op (``mx_moe_experts``) and the MXFP8-saving combine run their
    Triton kernels where rule 1 picks Triton, pure torch otherwise; the MoE layer uses the
    fused op for bf16 activations unless rule 2a applies (:func:`mxmoe.nn.moe.runs_fused`).
-4. The widening of a bf16 weight gradient to float32 master weights
+4. The bf16 recipe's MoE experts (:func:`use_gathered_experts`): QuACK's gathered grouped
+   GEMMs with the SwiGLU, combine and router-score gradient in their epilogues
+   (:mod:`mxmoe.ops.moe_experts_gathered`, SonicMoE's dataflow) where ``MXMOE_EXPERT_ENGINE=quack``
+   is set, the activations are bf16 on an sm90 GPU, D and F are multiples of 8 and QuACK
+   imports (``pip install "mxmoe[hopper]"``); the composed path
+   (``mx_grouped_mm`` + ``combine_weighted``) otherwise. Opt-in: this path has not yet
+   been run on a GPU (docs/BENCHMARKS.md says when it is measured).
+5. The widening of a bf16 weight gradient to float32 master weights
    (:func:`use_triton_widen`): the Triton cast of :mod:`mxmoe.kernels.cast` where the
    recipe's backend is not "reference", the tensor is where the kernel runs ("auto":
    CUDA; "triton": CUDA or the interpreter) and grad mode is off, ``Tensor.to``
@@ -53,8 +61,11 @@ NATIVE_CAPABILITY_MAJOR = 10  # block-scaled MMA (tcgen05): B200 10.0, B300 10.3
 TRITON_FORMATS = (ElemFormat.E4M3, ElemFormat.E5M2)
 TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
-__all__ = ["BACKENDS", "GroupedGemmBackend", "TRITON_DTYPES", "TRITON_FORMATS", "grouped_gemm_backend",
-           "use_native_mx_grouped_mm", "use_triton", "use_triton_for", "use_triton_widen", "widen_weight_grad"]
+__all__ = ["BACKENDS", "EXPERT_ENGINES", "GroupedGemmBackend", "TRITON_DTYPES", "TRITON_FORMATS",
+           "expert_engine", "grouped_gemm_backend", "use_gathered_experts", "use_native_mx_grouped_mm", "use_triton",
+           "use_triton_for", "use_triton_widen", "widen_weight_grad"]
+
+EXPERT_ENGINES = ("default", "quack")  # values of MXMOE_EXPERT_ENGINE (unset: "default")
 
 
 def use_triton(device: torch.device, dtype: torch.dtype, fmt: ElemFormat | str, block_size: int,
@@ -95,8 +106,44 @@ def use_triton_for(x: Tensor, recipe: Recipe, dtype: torch.dtype | None = None) 
     return use_triton(x.device, x.dtype if dtype is None else dtype, recipe.fmt, recipe.block_size, recipe.backend)
 
 
+def expert_engine() -> str:
+    """The value of ``MXMOE_EXPERT_ENGINE`` ("default" when unset or empty).
+
+    Raises:
+        ValueError: a value outside :data:`EXPERT_ENGINES`, or "quack" where QuACK cannot
+            be imported (the message names the extra to install).
+    """
+    value = os.environ.get("MXMOE_EXPERT_ENGINE", "").strip().lower() or "default"
+    if value not in EXPERT_ENGINES:
+        raise ValueError(f"MXMOE_EXPERT_ENGINE={value!r}; use one of {EXPERT_ENGINES} (or leave it unset)")
+    if value == "quack":
+        from ..kernels import quack_moe
+
+        if not quack_moe.available():
+            raise ValueError('MXMOE_EXPERT_ENGINE=quack needs QuACK: pip install "mxmoe[hopper]" (quack-kernels '
+                             f'{quack_moe.QUACK_VERSIONS["quack-kernels"]}, nvidia-cutlass-dsl '
+                             f'{quack_moe.QUACK_VERSIONS["nvidia-cutlass-dsl"]}), or unset it')
+    return value
+
+
+def use_gathered_experts(x: Tensor, recipe: Recipe, d_model: int, d_expert: int) -> bool:
+    """Rule 4: whether the MoE experts and combine run as
+    :func:`mxmoe.ops.moe_experts_gathered.gathered_moe_experts` (QuACK's gathered grouped
+    GEMMs): ``MXMOE_EXPERT_ENGINE=quack`` (:func:`expert_engine`), a non-quantizing recipe,
+    bf16 activations, an sm90 GPU, D and F multiples of 8 (:func:`mxmoe.kernels.quack_moe.supports`).
+
+    Raises:
+        ValueError: from :func:`expert_engine`.
+    """
+    if expert_engine() != "quack" or recipe.quantize or x.dtype != torch.bfloat16:
+        return False
+    from ..kernels import quack_moe
+
+    return quack_moe.supports(x, d_model, d_expert)
+
+
 def use_triton_widen(x: Tensor, dtype: torch.dtype, recipe: Recipe) -> bool:
-    """Rule 4: whether ``x.to(dtype)`` runs the Triton widening cast. True for a contiguous
+    """Rule 5: whether ``x.to(dtype)`` runs the Triton widening cast. True for a contiguous
     bfloat16 ``x`` cast to float32, with Triton installed, grad mode off (a backward that
     builds a graph for a second derivative keeps ``Tensor.to``, which has a derivative), and
     the recipe's backend "auto" with x on a CUDA device, or "triton" with x on a CUDA
