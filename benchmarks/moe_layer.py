@@ -3,7 +3,10 @@ users run and against the bf16 GEMM floor.
 
 Shapes (D, F, E, top-k, T) = model width, expert width, experts, experts per token,
 tokens: Qwen3-235B-A22B (4096, 1536, 128, 8, 16384), DeepSeek-V3 (7168, 2048, 256, 8,
-16384), Mixtral-8x7B (4096, 14336, 8, 2, 8192); ``--tokens`` sets T for all.
+16384), Mixtral-8x7B (4096, 14336, 8, 2, 8192); ``--tokens`` sets T for all. Each model in
+``--skewed`` (default: Qwen3-235B-A22B in a full run) runs again with a skewed routing,
+the same for every variant: a quarter of the experts take about 70% of the routed rows
+(:func:`skew_routing`; the run prints the share and the largest expert's load).
 
 Variants, built one at a time on the GPU (random init, std 0.02), each timed as one
 forward of x (T, D) bf16 (requiring grad) and ``y.backward(dy)``, gradients set to None
@@ -68,6 +71,8 @@ from mxmoe.recipe import get_recipe  # noqa: E402
 
 SUBJECT = "moe_layer"
 SMOKE_MODEL = {"smoke": (64, 64, 4, 2, 64)}
+SKEWED = " skewed"  # suffix of a model name run with the skewed routing
+SKEW_SHIFT = 4.0  # the input's component along the skew direction u
 VARIANTS = ("mxmoe mxfp8", "mxmoe bf16", "mxmoe mxfp8 (bf16 params)", "mxmoe bf16 (bf16 params)",
             "mxmoe bf16 gathered (bf16 params)", "SonicMoE bf16", "HF grouped_mm bf16", "bf16 GEMM floor")
 BF16_PARAMS = " (bf16 params)"  # suffix of the mxmoe variants with bf16 parameters
@@ -222,6 +227,35 @@ def build(variant: str, D: int, F: int, E: int, k: int, dev: torch.device, args)
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def router_weight(module: nn.Module, E: int, D: int) -> nn.Parameter:
+    """The (E, D) router weight of a layer variant (mxmoe ``router.weight``, SonicMoE
+    ``router.weight``, transformers ``gate.weight``).
+
+    Raises:
+        LookupError: no such parameter.
+    """
+    for name, p in module.named_parameters():
+        if name.split(".")[-2:-1] in (["router"], ["gate"]) and name.endswith("weight") and tuple(p.shape) == (E, D):
+            return p
+    raise LookupError(f"no (E={E}, D={D}) router weight in {type(module).__name__}")
+
+
+def skew_direction(D: int, dev: torch.device) -> torch.Tensor:
+    """A fixed unit vector u (D,) float32 (seeded): the skew direction."""
+    u = torch.randn(D, generator=torch.Generator().manual_seed(1234))
+    return (u / u.norm()).to(dev)
+
+
+def skew_routing(module: nn.Module, E: int, D: int, u: torch.Tensor) -> None:
+    """In place: the router rows of the first E // 4 experts get (b / a) u, with the input
+    shifted by a u (a = :data:`SKEW_SHIFT`, see :func:`main`), so their logits rise by about
+    b = 0.02 sqrt(D), one standard deviation of the logits at the init std 0.02: a quarter of
+    the experts then take about 70% of the routed rows (top-8 of 128)."""
+    w = router_weight(module, E, D)
+    with torch.no_grad():
+        w[: max(E // 4, 1)] += (STD * D ** 0.5 / SKEW_SHIFT) * u.to(w.dtype)
+
+
 def gathered_engine(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The layer's forward with ``MXMOE_EXPERT_ENGINE=quack`` (restored after)."""
     old = os.environ.get("MXMOE_EXPERT_ENGINE")
@@ -329,6 +363,7 @@ def breakdown(step: Callable, dev: torch.device, reps: int = 3) -> dict[str, flo
 
 
 def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, dy: torch.Tensor,
+                skew_u: torch.Tensor | None,
                 dev: torch.device, args) -> dict[str, Any]:
     """Time one variant; returns {"ms", "act_MB", "note"} (ms None if it did not run)."""
     reason = skip_reason(variant, args)
@@ -342,6 +377,8 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
             fn = floor_step(D, F, E, x.shape[0] * k, dev)
             return {"ms": 1e3 * harness.bench(fn, **timing), "act_MB": None, "note": "six bf16 bmm, balanced"}
         module, forward = build(variant, D, F, E, k, dev, args)
+        if skew_u is not None:
+            skew_routing(module, E, D, skew_u)
         params = [p for p in module.parameters() if p.requires_grad]
         xx = x.detach().requires_grad_(True)
 
@@ -359,6 +396,9 @@ def run_variant(variant: str, D: int, F: int, E: int, k: int, x: torch.Tensor, d
         note = ""
         if isinstance(module, MoELayer):
             note = f"expert path: {module.last_expert_path}, params {str(param_dtype(variant, args))[6:]}"
+            counts = module.last_tokens_per_expert.float()
+            note += (f"; top quarter of experts {counts.sort(descending=True).values[: max(E // 4, 1)].sum() / counts.sum():.0%}"
+                     f" of rows, max/mean {counts.max() / counts.mean():.2f}")
         elif variant == "SonicMoE bf16":
             note = f"sonic-moe {_SONIC['version']}, QuACK configs: {_SONIC['configs']}"
         elif variant == "HF grouped_mm bf16":
@@ -384,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sonic-configs", default="narrow", choices=("one", "narrow", "all"),
                    help="QuACK autotuning list for SonicMoE: its default configuration, the 6 around it, or all 44 "
                         "(default: %(default)s)")
+    p.add_argument("--skewed", default=None,
+                   help="comma-separated models to run again with a skewed routing (default: qwen3-235b-a22b in a "
+                        "full run, none with --quick or --models; '' for none)")
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each variant and print its GPU kernel time per stage (quantize, GEMM, router, "
                         "gather/scatter/combine, activation, casts/copies, other)")
@@ -400,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be a positive integer, got {args.tokens}")
     models = harness.selected_models(p, args, SMOKE_MODEL)
+    skewed = args.skewed if args.skewed is not None else (
+        "smoke" if args.smoke else ("" if args.quick or args.models else "qwen3-235b-a22b"))
+    for name in [n.strip() for n in skewed.split(",") if n.strip()]:
+        if name not in models:
+            p.error(f"--skewed {name!r} is not among the models run ({', '.join(models)})")
+        models[name + SKEWED] = models[name]
     if args.tokens is not None:
         models = {n: (*m[:4], args.tokens) for n, m in models.items()}
     dev = harness.device_for(args)
@@ -415,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=g)
         dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=g)
+        skew_u = skew_direction(D, dev) if name.endswith(SKEWED) else None
+        if skew_u is not None:
+            x = (x.float() + SKEW_SHIFT * skew_u).bfloat16()
         res = {}
         for variant in variants:
-            res[variant] = run_variant(variant, D, F, E, k, x, dy, dev, args)
+            res[variant] = run_variant(variant, D, F, E, k, x, dy, skew_u, dev, args)
             gc.collect()  # the variant's module and graph, released with run_variant's frame
             harness.free_memory()
             print(f"  {variant:20s} {harness.fmt(res[variant]['ms'], '.2f')} ms  {res[variant]['note']}", flush=True)
