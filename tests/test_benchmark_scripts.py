@@ -42,8 +42,9 @@ SLOW = {"expert_parallel.py", "fsdp_expert_parallel.py"}
 
 def test_every_script_has_a_smoke_test():
     """A new script in benchmarks/ must be added to SCRIPTS (and so to CI)."""
-    # ep_scaling_model.py is arithmetic, not a measurement: tests/distributed/test_ep_scaling_model.py
-    found = {p.name for p in BENCH.glob("*.py")} - {"harness.py", "ep_scaling_model.py"}
+    # ep_scaling_model.py and moe_layer_bound.py are arithmetic, not measurements: tested in
+    # tests/distributed/test_ep_scaling_model.py and below
+    found = {p.name for p in BENCH.glob("*.py")} - {"harness.py", "ep_scaling_model.py", "moe_layer_bound.py"}
     assert found == set(SCRIPTS), f"benchmarks/*.py {sorted(found)} != tested {sorted(SCRIPTS)}"
 
 
@@ -63,6 +64,30 @@ def test_smoke_run(script, tmp_path):
     assert doc["rows"], f"{script} --smoke wrote no rows"
     ran = [r for r in doc["rows"] if r["us"] is not None]
     assert ran and all(r["us"] > 0 for r in ran)
+
+
+def test_moe_layer_bound_reproduces_its_inputs_and_hand_arithmetic(tmp_path):
+    """benchmarks/moe_layer_bound.py on the committed results: its saved-bytes model of the
+    layer before this version matches the activation MB measured then (within 5%), and the
+    Qwen3 row's activation-pass time is the byte count of its docstring over the copy rate."""
+    proc = subprocess.run([sys.executable, str(BENCH / "moe_layer_bound.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "moe_layer_bound.json").read_text())
+    sys.path.insert(0, str(BENCH))
+    import moe_layer_bound as mb
+
+    for r in doc["rows"]:
+        before = mb.saved_bytes(r["T"], r["T"] * r["k"], r["D"], r["F"], r["E"], True, True) / 1e6
+        assert before == pytest.approx(r["saved_MB_measured_before"], rel=0.05), r["shape"]
+    q = next(r for r in doc["rows"] if r["shape"] == "qwen3-235b-a22b")
+    T, A, D, F = 16384, 131072, 4096, 1536
+    by_hand = (2 * T * D + 2 * A * D) + (4 * A * F + 2 * A * F + 2.0625 * A * F) + (2 * A * D + 2 * T * D + 1.03125 * A * D) \
+        + (2 * T * D + 1.03125 * A * D + 4 * A * D) + (4 * A * D + 4 * A * F) \
+        + (2.0625 * A * F + 2 * A * F + 8 * A * F + 2 * A * F) + 8 * A * F + (2 * T * D + 2 * A * D) + (2 * A * D + 2 * T * D)
+    assert q["activation_pass_ms"] == pytest.approx(1e3 * by_hand / (doc["copy_bandwidth_TBps"] * 1e12))
+    assert q["bound_ms_1"] == pytest.approx(q["gemm_ms"] + q["other_ms"] + q["activation_pass_ms"]
+                                            + q["weights_ms_bf16_copies"])
 
 
 # ---- the harness ---------------------------------------------------------------------------

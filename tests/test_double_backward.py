@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +82,25 @@ def case_moe_experts():
     return (lambda: mx_moe_experts(x, src_A, offsets_E, w13, w2, MX)), [x, w13, w2]
 
 
+def case_gathered_experts(monkeypatch):
+    """The bf16 experts on QuACK's GEMMs, the GEMMs replaced by their torch reference
+    (tests/ops/gathered_reference.py) as in tests/ops/test_moe_experts_gathered.py."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "ops"))
+    from gathered_reference import REF_ENGINE
+
+    from mxmoe.kernels import quack_moe
+    from mxmoe.ops.moe_experts_gathered import gathered_moe_experts
+
+    for fn_name, fn in REF_ENGINE.items():
+        monkeypatch.setattr(quack_moe, fn_name, fn)
+    monkeypatch.setattr(quack_moe, "supports", lambda x, d, f: True)
+    T, k, E, D, F_ = 6, 2, 3, 32, 16
+    _, offsets_E, order_A = _routing(T, k, E)
+    x, scores = _leaf(T, D, dtype=torch.bfloat16), _leaf(T, k)
+    w13, w2 = _leaf(E, 2 * F_, D, scale=0.1), _leaf(E, D, F_, scale=0.1)
+    return (lambda: gathered_moe_experts(x, scores, w13, w2, order_A, offsets_E, get_recipe("bf16"))), [x, scores, w13, w2]
+
+
 def case_combine_fp8():
     T, k, E, D = 5, 2, 3, 64
     _, _, order_A = _routing(T, k, E)
@@ -97,6 +118,7 @@ REFUSED = {
     "mxmoe.ops.grouped_mm._MXGroupedMMFunction": (case_grouped_mm, "mx_grouped_mm"),
     "mxmoe.ops.moe_experts._MXExpertsFunction": (case_moe_experts, "mx_moe_experts"),
     "mxmoe.ops.combine._CombineFP8": (case_combine_fp8, "MXFP8-saving MoE combine"),
+    "mxmoe.ops.moe_experts_gathered._GatheredExpertsFunction": (case_gathered_experts, "the gathered bf16 MoE experts"),
     "mxmoe.distributed.mx_gather._GatherExpertsMX": (case_gather_experts_mx, "the MXFP8 expert-weight gather"),
 }
 
@@ -177,10 +199,10 @@ def _first_order(y, inputs, loss):
 
 @pytest.mark.parametrize("loss", ["square", "sum"])  # "sum": the incoming gradient does not require grad
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_double_backward_through_mxfp8_ops_is_refused(name, loss, group):
+def test_double_backward_through_mxfp8_ops_is_refused(name, loss, group, monkeypatch):
     torch.manual_seed(0)
     build, op = REFUSED[name]
-    call, inputs = build(group) if "distributed" in name else build()
+    call, inputs = build(group) if "distributed" in name else build(monkeypatch) if "gathered" in name else build()
     y = call()
     first_plain = torch.autograd.grad((y.float().square() if loss == "square" else y.float()).sum(), inputs)
     grads = _first_order(call(), inputs, loss)

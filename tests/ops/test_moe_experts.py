@@ -187,6 +187,30 @@ def test_saved_activations_are_fp8_and_under_0_6_of_bf16():
     assert mx <= 0.6 * bf, (mx, bf)
 
 
+def test_fused_op_keeps_x_itself_and_h_as_fp8_only():
+    """What mx_moe_experts saves for backward, by saved-tensor hooks at top-8: x itself (the
+    caller's tensor, no copy), the weights, the routing, and h as FP8 codes + E8M0 scales
+    (2F + 2F / 32 bytes per routed row). No per-routed-row copy of x (its token-blocked
+    wgrad operand is made in the backward; kept from the forward it took D bytes per routed
+    row, 4x x's own bytes at k = 8)."""
+    T, k, E, D, F = 64, 8, 12, 64, 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_(True)
+    w13, w2 = torch.randn(E, 2 * F, D, generator=g) * 0.1, torch.randn(E, D, F, generator=g) * 0.1
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    src, offsets = order // k, torch.cumsum(torch.bincount(experts.reshape(-1), minlength=E), 0).to(torch.int32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        me.mx_moe_experts(x, src, offsets, w13.requires_grad_(), w2.requires_grad_(), REF)
+    inputs = {t.data_ptr() for t in (x, w13, w2, src, offsets)}
+    others = [t for t in saved if t.data_ptr() not in inputs]
+    A = T * k
+    assert any(t is x or t.data_ptr() == x.data_ptr() for t in saved)
+    assert sorted((tuple(t.shape), t.dtype) for t in others) == sorted(
+        [((A, 2 * F), torch.float8_e4m3fn), ((A, 2 * F // 32), torch.float8_e8m0fnu)])
+
+
 def test_fp8_combine_forward_bit_equal_backward_reads_mxfp8_y():
     """combine_weighted with an MXFP8 recipe: the forward is the plain combine's bit for
     bit; the gradient of the rows is too; the weights' gradient is the plain one computed

@@ -6,8 +6,8 @@ sorted by expert, Ap = 32 * (A // 32 + E) the per-expert padded token length.
 
 Forward (recipe ``mxfp8``):
 
-    x_TD --gather rows src_A, quantize along D--> xq_AD (bf16, exact MXFP8 values)
-         --gather rows, quantize along each expert's tokens--> x codes (D, Ap) + scales   [saved]
+    x_TD                                                                             [saved, as given]
+         --gather rows src_A, quantize along D--> xq_AD (bf16, exact MXFP8 values)
     h_A2F = xq_AD @ Q_D(w13_E2FD)^T                                      (grouped GEMM)
     act_AF = Q_F(silu(gate) * up), h's codes + scales along F                          [saved]
     y_AD = act_AF @ Q_F(w2_EDF)^T                                        (grouped GEMM)
@@ -19,12 +19,16 @@ Backward (dy_AD):
     dh_A2F = [d_act * up' * silu'(gate'), d_act * silu(gate')]
     dw2_EDF = Q_tok(dy)^T Q_tok(act')                                     (wgrad, over each expert's tokens)
     dx_AD = Q_2F(dh) @ Q_2F(w13)                                          (dgrad)
-    dw13_E2FD = Q_tok(dh)^T dequantize(saved x codes)                     (wgrad)
+    dw13_E2FD = Q_tok(dh)^T Q_tok(x[src_A])                               (wgrad; x gathered and quantized
+                                                                           along each expert's tokens here)
     dx_TD = sum over each token's k rows of dx_AD                         (deterministic, no atomics)
 
-Saved activations: x as FP8 + E8M0 along tokens (D * Ap bytes + 1/32 of that) and h as
-FP8 + E8M0 along F (2F bytes per row + 1/32), against the bf16 layer's x, h and act
-(2D + 6F bytes per row). Following DeepSeek-V3 (arXiv 2412.19437, section 3.3: SwiGLU
+Saved activations: x itself (T rows, the tensor the caller passed; the router's GEMM keeps
+it too) and h as FP8 + E8M0 along F (2F bytes per routed row + 1/32), against the bf16
+layer's gathered x, h and act (2D + 6F bytes per routed row). x's wgrad operand, blocked
+along each expert's tokens, is made in the backward from x and the routing: keeping it
+from the forward instead would cost D bytes per routed row, k times x's own 2D bytes per
+token over 2 (4x x's size at top-8). Following DeepSeek-V3 (arXiv 2412.19437, section 3.3: SwiGLU
 inputs cached in FP8, the output recomputed in the backward), the backward of SwiGLU and
 the weight gradient of w2 use the dequantized saved h: this differs from the composed
 path (:class:`~mxmoe.nn.moe.SwiGLUExperts` without fusion) only in the backward, by the MXFP8
@@ -164,7 +168,6 @@ class _MXExpertsFunction(torch.autograd.Function):
     def forward(ctx, x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor,
                 recipe: Recipe) -> Tensor:
         xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
-        xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
         need_dx = ctx.needs_input_grad[0]  # the dgrad copies are made here only inside weight_copy_cache()
         w13q, ctx.w13q_dgrad = weight_operands(w13_E2FD, recipe, GEMM_DTYPE, dgrad=need_dx)  # along D
         h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E, all_rows=True)  # (A, D) x (E, 2F, D) -> (A, 2F)
@@ -173,14 +176,14 @@ class _MXExpertsFunction(torch.autograd.Function):
         del h_A2F
         w2q, ctx.w2q_dgrad = weight_operands(w2_EDF, recipe, GEMM_DTYPE, dgrad=any(ctx.needs_input_grad))  # F
         y_AD = grouped_mm_nt(act_AF, w2q, offsets_E, all_rows=True)  # (A, F) x (E, D, F) -> (A, D)
-        ctx.save_for_backward(w13_E2FD, w2_EDF, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs)
+        ctx.save_for_backward(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs)
         ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
     @no_double_backward("mx_moe_experts", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_AD: Tensor):
-        w13, w2, src_A, offsets_E, padded_offsets, xg_q, xg_s, hq, hs = ctx.saved_tensors
+        x_TD, w13, w2, src_A, offsets_E, hq, hs = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
         # w2: dgrad along D, wgrad along tokens
@@ -200,7 +203,9 @@ class _MXExpertsFunction(torch.autograd.Function):
         dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
         del dhq, w13q
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
+        xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
         x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
+        del xg_q, xg_s
         dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets, nonempty_groups=True)  # (E, 2F, D)
         del dh_t, x_t
         # un-permute: each token's k rows summed in a fixed order
