@@ -89,7 +89,7 @@ RUNS = (("1 GPU", 1, False, "padded"), (f"EP {EP_RANKS}", EP_RANKS, False, "padd
 # below 1e-3. What it catches: a loss scaled by 1/P (relative 0.5), a different init, a
 # different batch.
 STEP1_RTOL = {"cpu": 1e-5, "cuda": 1e-3}
-A2A_KINDS = ("counts", "dispatch", "combine", "combine.grad", "dispatch.grad")
+A2A_KINDS = ("counts", "dispatch", "combine", "combine.grad", "dispatch.grad", "weights", "weights.grad")
 MB = 1e6
 
 

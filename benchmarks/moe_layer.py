@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import sys
 from typing import Any, Callable
@@ -443,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be a positive integer, got {args.tokens}")
     models = harness.selected_models(p, args, SMOKE_MODEL)
+    if not args.smoke and importlib.util.find_spec("quack") is not None:
+        # before anything imports QuACK's GEMM interface (it fixes its autotuning list then)
+        narrow_quack_autotuning(args.sonic_configs)
     skewed = args.skewed if args.skewed is not None else (
         "smoke" if args.smoke else ("" if args.quick or args.models else "qwen3-235b-a22b"))
     for name in [n.strip() for n in skewed.split(",") if n.strip()]:

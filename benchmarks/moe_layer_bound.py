@@ -46,8 +46,8 @@ def activation_bytes(T: int, A: int, D: int, F: int) -> dict[str, float]:
     return {
         "x: gather + rows along D (forward operand)": BF16 * T * D + BF16 * A * D,
         "SwiGLU + act rows along F, h saved as MXFP8": BF16 * A * 2 * F + BF16 * A * F + MXFP8 * A * 2 * F,
-        "combine, y saved as MXFP8": BF16 * A * D + BF16 * T * D + MXFP8 * A * D,
-        "combine backward + dy rows along D (raw and quantized)": BF16 * T * D + MXFP8 * A * D + 2 * BF16 * A * D,
+        "combine (nothing of y kept)": BF16 * A * D + BF16 * T * D,
+        "combine backward + dy rows along D (raw and quantized)": BF16 * T * D + 2 * BF16 * A * D,
         "dy, act token-blocked (w2 wgrad operands)": 2 * BF16 * A * D + 2 * BF16 * A * F,
         "SwiGLU backward + dh rows along 2F (raw and quantized)": MXFP8 * A * 2 * F + BF16 * A * F
         + 2 * BF16 * A * 2 * F + BF16 * A * F,
@@ -65,10 +65,11 @@ def weight_bytes(E: int, D: int, F: int, fp8_copies: bool) -> float:
 
 def saved_bytes(T: int, A: int, D: int, F: int, E: int, y_saved: bool, x_rows_saved: bool) -> float:
     """Activation bytes the fused op and combine keep for backward beyond the layer's input x
-    (which the router keeps anyway): h as MXFP8 (2F per routed row), y as MXFP8 for the
-    router-score gradient (D per routed row, unless the gradient comes from the dgrad
-    epilogue as in SonicMoE), and before this version x token-blocked as MXFP8 (D per
-    padded routed row, A + 32 E rows), plus int64 routing indices (3 per routed row)."""
+    (which the router keeps anyway): h as MXFP8 (2F per routed row) and int64 routing
+    indices (3 per routed row); at 4b9fbd8 also y as MXFP8 for the router-score gradient
+    (D per routed row; now the expert op's backward gives that gradient, as SonicMoE's dgrad
+    epilogue does) and x token-blocked as MXFP8 (D per padded routed row, A + 32 E rows;
+    now made in the backward)."""
     Ap = A + 32 * E
     return MXFP8 * A * 2 * F + (MXFP8 * A * D if y_saved else 0) + (MXFP8 * Ap * D if x_rows_saved else 0) + 24 * A
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     header = ["shape", "SonicMoE ms", "mxfp8 ms (today)", "GEMM ms", "other ms (SonicMoE's)", "activation passes ms",
               "weights ms (bf16 / FP8 copies)", "bound ms, 1 micro-batch (bf16 / FP8 copies)",
               f"bound ms, {M} micro-batches", "x SonicMoE at the bound (1 / {M})".replace("{M}", str(M)),
-              "saved MB: SonicMoE / before / now / without y"]
+              "saved MB: SonicMoE / mxmoe at 4b9fbd8 (measured) / now (model)"]
     body = []
     for name, shape in layer["models"].items():
         D, F, E, k, T = (shape[c] for c in "DFEkT")
@@ -108,16 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         one = gemm + other + act_ms + w_bf16
         one_fp8 = gemm + other + act_ms + w_fp8
         many = gemm + other + act_ms + w_bf16 / M
-        saved = [sonic.get("act_MB"), mx.get("act_MB"),
-                 saved_bytes(T, A, D, F, E, True, False) / 1e6, saved_bytes(T, A, D, F, E, False, False) / 1e6]
+        saved = [sonic.get("act_MB"), mx.get("act_MB"), saved_bytes(T, A, D, F, E, False, False) / 1e6]
         row = {"shape": name, "D": D, "F": F, "E": E, "k": k, "T": T, "sonic_ms": sonic["ms"], "mxfp8_ms": mx["ms"],
                "mxfp8_quantize_ms": mx["stages_ms"].get("quantize"), "gemm_ms": gemm, "other_ms": other,
                "activation_pass_ms": act_ms, "activation_pass_GB": {k_: v / 1e9 for k_, v in acts.items()},
                "weights_ms_bf16_copies": w_bf16, "weights_ms_fp8_copies": w_fp8, "bound_ms_1": one,
                "bound_ms_1_fp8": one_fp8, f"bound_ms_{M}": many, "x_sonic_bound_1": sonic["ms"] / one,
                "x_sonic_bound_1_fp8": sonic["ms"] / one_fp8, f"x_sonic_bound_{M}": sonic["ms"] / many,
-               "saved_MB_sonic": saved[0], "saved_MB_measured_before": saved[1], "saved_MB_model_now": saved[2],
-               "saved_MB_model_without_y": saved[3]}
+               "saved_MB_sonic": saved[0], "saved_MB_measured_before": saved[1], "saved_MB_model_now": saved[2]}
         out_rows.append(row)
         body.append([name, f"{sonic['ms']:.1f}", f"{mx['ms']:.1f}", f"{gemm:.1f}", f"{other:.1f}", f"{act_ms:.1f}",
                      f"{w_bf16:.1f} / {w_fp8:.1f}", f"{one:.1f} / {one_fp8:.1f}", f"{many:.1f}",

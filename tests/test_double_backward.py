@@ -26,7 +26,7 @@ from mxmoe.distributed.ep import _CombineExchange, _MXDispatch, pack_mx_rows
 from mxmoe.distributed.mx_gather import _GatherExpertsMX
 from mxmoe.nn.moe import _Float32Linear
 from mxmoe.ops.autograd import DOUBLE_BACKWARD_ERROR
-from mxmoe.ops.combine import combine_weighted, mx_round_rows
+from mxmoe.ops.combine import combine_rows, mx_round_rows
 from mxmoe.ops.grouped_mm import mx_grouped_mm
 from mxmoe.ops.linear import mx_linear
 from mxmoe.ops.moe_experts import mx_moe_experts
@@ -101,11 +101,11 @@ def case_gathered_experts(monkeypatch):
     return (lambda: gathered_moe_experts(x, scores, w13, w2, order_A, offsets_E, get_recipe("bf16"))), [x, scores, w13, w2]
 
 
-def case_combine_fp8():
+def case_combine_rows():
     T, k, E, D = 5, 2, 3, 64
     _, _, order_A = _routing(T, k, E)
     y, weights = _leaf(T * k, D), _leaf(T, k)
-    return (lambda: combine_weighted(y, order_A, weights, MX)), [y, weights]
+    return (lambda: combine_rows(y, order_A, weights, MX)), [y]
 
 
 def case_gather_experts_mx(group):
@@ -117,7 +117,7 @@ REFUSED = {
     "mxmoe.ops.linear._MXLinearFunction": (case_linear, "mx_linear"),
     "mxmoe.ops.grouped_mm._MXGroupedMMFunction": (case_grouped_mm, "mx_grouped_mm"),
     "mxmoe.ops.moe_experts._MXExpertsFunction": (case_moe_experts, "mx_moe_experts"),
-    "mxmoe.ops.combine._CombineFP8": (case_combine_fp8, "MXFP8-saving MoE combine"),
+    "mxmoe.ops.combine._CombineRows": (case_combine_rows, "the fused MoE combine"),
     "mxmoe.ops.moe_experts_gathered._GatheredExpertsFunction": (case_gathered_experts, "the gathered bf16 MoE experts"),
     "mxmoe.distributed.mx_gather._GatherExpertsMX": (case_gather_experts_mx, "the MXFP8 expert-weight gather"),
 }

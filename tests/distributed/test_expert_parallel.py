@@ -111,7 +111,9 @@ def test_layer_matches_single_process(group, case):
             else:  # the shared expert: bf16 weight-gradient GEMM outputs
                 assert g["rel"] <= TOL["replicated_bf16_wgrad"], f"{where}: {name} {g['rel']:.2e}"
         assert c["deterministic"], f"{where}: a second forward/backward differs"
-        assert c["a2a_kinds"] == ["combine", "combine.grad", "counts", "dispatch", "dispatch.grad"]
+        # the fused path sends each row's combine weight too (one float), and its gradient back
+        weights = ["weights", "weights.grad"] if ep_fused else []
+        assert c["a2a_kinds"] == ["combine", "combine.grad", "counts", "dispatch", "dispatch.grad"] + weights
 
 
 def test_empty_rank_still_works(group):

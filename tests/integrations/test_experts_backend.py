@@ -37,14 +37,16 @@ TOKENS = 96
 # grad), dw_gate_up, dw_down, dw_router. bf16 runs the fused op for the SwiGLU families.
 TENSORS = ("out", "dx", "dw_gate_up", "dw_down", "dw_router")
 SQNR_FLOORS_DB: dict[str, dict[tuple[str, str], float]] = {
-    # measured bf16: 23.6 23.2 23.4 22.5 21.6; float32: 23.7 23.8 24.0 23.6 22.3
-    "qwen3_moe": {**dict(zip((("bf16", t) for t in TENSORS), (20.5, 20.0, 20.5, 19.5, 18.5))),
+    # measured bf16: 23.6 23.2 23.4 22.5 18.4; float32: 23.7 23.8 24.0 23.6 22.3 (the fused op's
+    # router-weight gradient, act . d(act) / w from its MXFP8 backward GEMM, was 21.6 while
+    # the combine kept an MXFP8 copy of y)
+    "qwen3_moe": {**dict(zip((("bf16", t) for t in TENSORS), (20.5, 20.0, 20.5, 19.5, 15.5))),
                   **dict(zip((("float32", t) for t in TENSORS), (20.5, 20.5, 21.0, 20.5, 19.0)))},
-    # measured bf16: 23.2 22.9 23.2 22.4 19.2; float32: 23.2 23.7 23.7 23.5 21.4
+    # measured bf16: 23.2 22.9 23.2 22.4 19.0 (19.2 with y's MXFP8 copy); float32: 23.2 23.7 23.7 23.5 21.4
     "mixtral": {**dict(zip((("bf16", t) for t in TENSORS), (20.0, 20.0, 20.0, 19.5, 16.0))),
                 **dict(zip((("float32", t) for t in TENSORS), (20.0, 20.5, 20.5, 20.5, 18.5)))},
-    # measured bf16: 24.9 24.5 22.8 22.3 22.8; float32: 24.9 25.3 23.7 23.7 23.7
-    "deepseek_v3": {**dict(zip((("bf16", t) for t in TENSORS), (22.0, 21.5, 19.5, 19.5, 19.5))),
+    # measured bf16: 24.9 24.5 22.8 22.3 19.1 (22.8 with y's MXFP8 copy); float32: 24.9 25.3 23.7 23.7 23.7
+    "deepseek_v3": {**dict(zip((("bf16", t) for t in TENSORS), (22.0, 21.5, 19.5, 19.5, 16.0))),
                     **dict(zip((("float32", t) for t in TENSORS), (22.0, 22.0, 20.5, 20.5, 20.5)))},
     # composed in both (biases, interleaved gate/up, clamped SwiGLU)
     # measured bf16: 25.7 25.1 25.3 25.4 23.8; float32: 25.8 25.2 25.5 25.5 24.4
@@ -113,7 +115,8 @@ def test_mxfp8_backend_against_transformers_float32(family, monkeypatch):
 
     fused_calls = []
     fused_op = mxmoe.nn.moe.mx_moe_experts
-    monkeypatch.setattr(mxmoe.nn.moe, "mx_moe_experts", lambda *a: fused_calls.append(a[0].dtype) or fused_op(*a))
+    monkeypatch.setattr(mxmoe.nn.moe, "mx_moe_experts",
+                        lambda *a, **kw: fused_calls.append(a[0].dtype) or fused_op(*a, **kw))
     ref_model = causal_lm(family)
     x, g = decisive_routing_(ref_model)
     # the reference holds the bf16-rounded weights and input: the fused run's own values
@@ -143,7 +146,8 @@ def test_float32_parameters_under_autocast_run_the_fused_op(monkeypatch):
 
     fused_calls = []
     fused_op = mxmoe.nn.moe.mx_moe_experts
-    monkeypatch.setattr(mxmoe.nn.moe, "mx_moe_experts", lambda *a: fused_calls.append(a[0].dtype) or fused_op(*a))
+    monkeypatch.setattr(mxmoe.nn.moe, "mx_moe_experts",
+                        lambda *a, **kw: fused_calls.append(a[0].dtype) or fused_op(*a, **kw))
     model = causal_lm("qwen3_moe")
     x, g = decisive_routing_(model)
     ref = run_block(copy.deepcopy(model), "grouped_mm", x, g)

@@ -148,7 +148,7 @@ def _offsets(sizes):
 
 OPCHECK_CASES = ["gather_fake_quantize_rows", "quantize_grouped_gather", "swiglu_quantize", "swiglu_backward",
                  "quantize_along_dim", "zero_rows_past_end", "zero_empty_groups", "grouped_mm 2d x 3d",
-                 "grouped_mm 2d x 2d", "combine_quantize", "combine_backward", "sum_token_rows"]
+                 "grouped_mm 2d x 2d", "combine_rows_backward", "sum_token_rows", "sum_token_rows weighted"]
 
 
 def _opcheck_cases():
@@ -162,22 +162,21 @@ def _opcheck_cases():
     act, hq, hs = km.triton_swiglu_quantize(h, "e4m3", "rceil", torch.bfloat16)
     inv = torch.randperm(12, generator=g).to(DEV)
     w6 = rnd(6, 2)
-    _, yq, ys = km.triton_combine_quantize(rnd(12, 64), inv, w6, "e4m3", "rceil")
     return [
         ("gather_fake_quantize_rows", km.triton_gather_fake_quantize_rows,
          (rnd(8, 64), src, "e4m3", "rceil", torch.bfloat16)),
         ("quantize_grouped_gather", km.triton_quantize_grouped_gather,
          (rnd(8, 64), src, _offsets([5, 0, 7]), "e4m3", "floor")),
         ("swiglu_quantize", km.triton_swiglu_quantize, (h, "e5m2", "rceil", torch.bfloat16)),
-        ("swiglu_backward", km.triton_swiglu_backward, (hq, hs, rnd(12, 64), torch.bfloat16)),
+        ("swiglu_backward", km.triton_swiglu_backward, (hq, hs, rnd(12, 64), torch.bfloat16, True)),
         ("quantize_along_dim", quantize_along_dim, (rnd(4, 40, 3, dtype=torch.float32), 1, "e4m3", "rceil", True)),
         ("zero_rows_past_end", kr._zero_rows_past_end_op, (rnd(12, 40), _offsets([4, 0, 5]))),
         ("zero_empty_groups", kr._zero_empty_groups_op, (rnd(3, 8, 16), _offsets([4, 0, 5]))),
         ("grouped_mm 2d x 3d", gemm._grouped_mm_op, (rnd(12, 16), rnd(3, 8, 16).transpose(-2, -1), _offsets([4, 0, 8]))),
         ("grouped_mm 2d x 2d", gemm._grouped_mm_op, (rnd(12, 8).t(), rnd(12, 16), _offsets([4, 3, 5]))),
-        ("combine_quantize", km.triton_combine_quantize, (rnd(12, 64), inv, w6, "e5m2", "floor")),
-        ("combine_backward", km.triton_combine_backward, (rnd(6, 64), w6, yq, ys, inv)),
+        ("combine_rows_backward", km.triton_combine_rows_backward, (rnd(6, 64), w6, inv)),
         ("sum_token_rows", km.triton_sum_token_rows, (rnd(12, 64), inv, 3, torch.float32)),
+        ("sum_token_rows weighted", km.triton_sum_token_rows, (rnd(12, 64), inv, 2, torch.bfloat16, w6.float(), True)),
     ]
 
 

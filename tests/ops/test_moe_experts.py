@@ -84,11 +84,17 @@ def test_swiglu_backward_triton_matches_reference():
     h = spread(70, 128, 3).to(torch.bfloat16).to(DEV)
     _, hq, hs = me.swiglu_quantize(h, TRI)
     dact = spread(70, 64, 4).to(torch.bfloat16).to(DEV)
-    dh, act = me.swiglu_backward(hq, hs, dact, TRI)
-    rdh, ract = me.swiglu_backward(hq.cpu(), hs.cpu(), dact.cpu(), REF)
+    dh, act, dot = me.swiglu_backward(hq, hs, dact, TRI, row_dot=True)
+    rdh, ract, rdot = me.swiglu_backward(hq.cpu(), hs.cpu(), dact.cpu(), REF, row_dot=True)
     for a, b in ((dh, rdh), (act, ract)):  # bf16 outputs of float32 math: one bf16 step apart at most
         a, b = a.cpu().float(), b.float()
         assert ((a - b).abs() <= 2**-7 * b.abs() + 1e-30).all()
+    # each row's act . d(act) (the combine weight's gradient): float32 sums in another order
+    # and exp's last bits: within 1e-5 of the sum of |terms|
+    terms = (ract.float() * dact.cpu().float()).abs().sum(1)
+    assert dot.shape == (70,) and dot.dtype == torch.float32
+    assert ((dot.cpu() - rdot).abs() <= 1e-5 * terms + 1e-30).all()
+    assert me.swiglu_backward(hq, hs, dact, TRI)[2] is None
 
 
 def sqnr(a, b):
@@ -97,10 +103,13 @@ def sqnr(a, b):
 
 # SQNR floors (dB) of the fused MXFP8 experts against the same layer under the bf16 recipe
 # with float32 activations (itself ~50 dB from float64), D=64, F=96, E=8, k=2, T=200,
-# seed 0. Measured (reference path): out 21.0, dx 21.8, dw13 20.2, dw2 19.4; the composed
-# path: 21.0, 22.1, 20.5, 19.9. The fused op may trail the composed one by at most
-# FUSED_VS_COMPOSED_DB: its SwiGLU backward reads the FP8-saved h.
-SQNR_FLOORS = {"out": 20.0, "dx": 20.8, "dw13": 19.2, "dw2": 18.4}
+# seed 0. Measured (reference path): out 21.0, dx 21.8, dw13 20.2, dw2 19.4, router weight
+# 19.5; the composed path: 21.0, 22.1, 20.5, 19.9, 19.3. The fused op may trail the composed
+# one by at most FUSED_VS_COMPOSED_DB: its SwiGLU backward reads the FP8-saved h, and the
+# combine weights' gradient comes from the backward's MXFP8 GEMM output (act . d(act) / w)
+# instead of from y (with y's MXFP8 copy, as kept before: 19.7; seeds 1, 2: 20.5 / 16.4
+# against 21.3 / 16.2 then and 21.7 / 16.3 composed).
+SQNR_FLOORS = {"out": 20.0, "dx": 20.8, "dw13": 19.2, "dw2": 18.4, "router": 18.5}
 FUSED_VS_COMPOSED_DB = 1.0
 
 
@@ -113,7 +122,8 @@ def _layer_run(recipe, fused, state, x, dtype):
     xx = x.to(DEV, dtype).clone().requires_grad_(True)
     y, _ = m(xx)
     y.double().pow(2).sum().backward()
-    return [t.detach().double().cpu() for t in (y, xx.grad, m.experts.w13.grad, m.experts.w2.grad)], m
+    return [t.detach().double().cpu() for t in (y, xx.grad, m.experts.w13.grad, m.experts.w2.grad,
+                                                m.router.weight.grad)], m
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -211,34 +221,6 @@ def test_fused_op_keeps_x_itself_and_h_as_fp8_only():
         [((A, 2 * F), torch.float8_e4m3fn), ((A, 2 * F // 32), torch.float8_e8m0fnu)])
 
 
-def test_fp8_combine_forward_bit_equal_backward_reads_mxfp8_y():
-    """combine_weighted with an MXFP8 recipe: the forward is the plain combine's bit for
-    bit; the gradient of the rows is too; the weights' gradient is the plain one computed
-    from y rounded to MXFP8 along D (what the backward keeps)."""
-    from mxmoe.nn.moe import combine_weighted
-    from mxmoe import fake_quantize_mx
-
-    g = torch.Generator().manual_seed(5)
-    T, k, D = 37, 3, 96
-    y = spread(T * k, D, 6).to(torch.bfloat16)
-    order = torch.randperm(T * k, generator=g)
-    w = torch.softmax(torch.randn(T, k, generator=g), -1)
-    dy = torch.randn(T, D, generator=g).to(torch.bfloat16)
-    outs = []
-    for recipe in (None, REF):
-        yy, ww = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = combine_weighted(yy, order, ww, recipe)
-        out.backward(dy)
-        outs.append((out, yy.grad, ww.grad))
-    (o0, dy0, dw0), (o1, dy1, dw1) = outs
-    assert torch.equal(o0, o1) and torch.equal(dy0, dy1)
-    # the plain combine's weight gradient, with y replaced by its MXFP8 rounding
-    yq = fake_quantize_mx(y, dim=1, out_dtype=torch.bfloat16, backend="reference")
-    ww = w.clone().requires_grad_(True)
-    combine_weighted(yq, order, ww, None).backward(dy)
-    assert torch.equal(dw1, ww.grad)
-
-
 def _same(a, b):
     """Bit for bit, except that any NaN equals any NaN (payloads and signs of NaN vary with
     the casts that carried them)."""
@@ -271,18 +253,16 @@ def _close_sums(a, b, abs_terms, n_terms):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("D, fmt, mode", [(96, "e4m3", "rceil"), (160, "e5m2", "floor"), (48, "e4m3", "floor")])
-def test_fused_combine_triton_equals_reference(k, dtype, D, fmt, mode):
-    """The MXFP8-saving combine as one Triton kernel each way (bf16) against the torch
-    path on the same device: the rows' gradient bit for bit (the same bf16 products); the
-    output too for k <= 2 (and on the CPU for any k; torch on CUDA sums k > 2 terms in
-    another order); otherwise and for the weights' gradient (a float32 sum over D in
-    another order, rounded to bf16) within one bf16 ulp plus the float32 rounding of the
-    sum; NaN where the torch path has NaN (a non-finite block). float32 y takes the torch
-    path: bit for bit; so does D = 48 (not a multiple of 32: the torch path pads the saved
-    codes). Both element formats and scale rules; y given column-major (non-contiguous)."""
-    from mxmoe.nn.moe import combine_weighted
-    from mxmoe import fake_quantize_mx
+@pytest.mark.parametrize("D", [96, 48])
+def test_combine_rows_triton_equals_reference_and_the_plain_combine(k, dtype, D):
+    """combine_rows (the fused path's combine) as one Triton kernel each way (bf16, D a
+    multiple of 32) against its torch path and against the plain combine_weighted: the
+    output and the rows' gradient bit for bit (the same bf16 products; for k > 2 on CUDA
+    the float32 sum over k may run in another order: within its rounding), NaN where the
+    torch path has NaN; no gradient for the weights; nothing of y kept (the saved tensors
+    are the index and the weights). float32 y and D = 48 take the torch path. y given
+    column-major (non-contiguous)."""
+    from mxmoe.ops.combine import combine_rows, combine_weighted
 
     g = torch.Generator().manual_seed(10 * k + D)
     T = 37
@@ -291,59 +271,75 @@ def test_fused_combine_triton_equals_reference(k, dtype, D, fmt, mode):
     w = torch.softmax(torch.randn(T, k, generator=g), -1)
     dy = torch.randn(T, D, generator=g).to(dtype)
     outs = []
-    for base in (REF, TRI):
-        recipe = get_recipe(base, fmt=fmt, scale_mode=mode)
+    for fn in (lambda yy, ww: combine_weighted(yy, order.to(DEV), ww),
+               lambda yy, ww: combine_rows(yy, order.to(DEV), ww, REF),
+               lambda yy, ww: combine_rows(yy, order.to(DEV), ww, TRI)):
         yy = y.to(DEV).t().contiguous().t().requires_grad_(True)  # same values, column-major
         ww = w.to(DEV).clone().requires_grad_(True)
-        out = combine_weighted(yy, order.to(DEV), ww, recipe)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(yy, ww)
         out.backward(dy.to(DEV))
-        outs.append([t.detach().cpu() for t in (out, yy.grad, ww.grad)])
-    (o0, dy0, dw0), (o1, dy1, dw1) = outs
-    assert o0.isnan().any() and dw0.isnan().any()
-    assert _same(dy0, dy1)
-    y_TkD = torch.zeros_like(y).index_copy(0, order, y).float().view(T, k, D)
-    w_b = w.to(dtype).float()
+        outs.append([out.detach().cpu(), yy.grad.cpu(), ww.grad, max(t.numel() for t in saved)])
+    (o0, dy0, dw0, _), (o1, dy1, dw1, n1), (o2, dy2, dw2, n2) = outs
+    assert o0.isnan().any() and dw0 is not None and dw1 is None and dw2 is None
+    assert n1 <= T * k and n2 <= T * k  # the index and the weights, nothing of y
+    assert _same(o0, o1) and _same(dy0, dy1) and _same(dy0, dy2)
     if k <= 2 or DEV.type == "cpu" or dtype == torch.float32:
-        assert _same(o0, o1)
+        assert _same(o0, o2)
     else:
-        assert _close_sums(o0, o1, (y_TkD * w_b.unsqueeze(-1)).abs().sum(1), k)
-    if dtype == torch.float32:
-        assert _same(dw0, dw1)
-    else:
-        yq = fake_quantize_mx(y_TkD.view(T * k, D), fmt=fmt, dim=1, scale_mode=mode, pad=True,
-                              backend="reference").view(T, k, D)
-        assert _close_sums(dw0, dw1, (dy.float().unsqueeze(1) * yq).abs().sum(-1), D)
-        assert _same(dw1, dw1.bfloat16().float())  # rounded to bf16 like the torch path's d(w)
+        y_TkD = torch.zeros_like(y).index_copy(0, order, y).float().view(T, k, D)
+        assert _close_sums(o0, o2, (y_TkD * w.to(dtype).float().unsqueeze(-1)).abs().sum(1), k)
+
+
+def test_fused_layer_keeps_no_copy_of_the_expert_outputs():
+    """The fused MoE layer: nothing of size A x D is saved for backward (the combine
+    weights' gradient comes from the expert op); the router weight still gets its gradient."""
+    torch.manual_seed(4)
+    T, D, E, k, F = 40, 128, 8, 4, 32  # h's codes (A, 2F) are smaller than A x D
+    m = MoELayer(D, E, k, F, 1, REF, fused=True)
+    x = torch.randn(T, D).bfloat16().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, _ = m(x)
+    assert m.last_ran_fused
+    params = {p.data_ptr() for p in m.parameters()}
+    big = [(tuple(t.shape), t.dtype) for t in saved
+           if t.numel() >= T * k * D and t.data_ptr() not in params and t.data_ptr() != x.data_ptr()]
+    assert not big, big
+    y.float().pow(2).sum().backward()
+    assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
 
 
 def test_fused_combine_empty_and_refusals():
     """T = 0 gives empty outputs on the fused path; the kernels' host checks refuse
-    mismatched weights, dtypes other than bf16 and a non-int64 inverse permutation."""
+    mismatched weights, dtypes other than bf16, a non-int64 inverse permutation, weights of
+    another dtype, shape or device."""
     from mxmoe.kernels import moe_experts as km
-    from mxmoe.nn.moe import combine_weighted
+    from mxmoe.ops.combine import combine_rows
 
     y = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     w = torch.zeros(0, 2, device=DEV, requires_grad=True)
-    out = combine_weighted(y, torch.zeros(0, dtype=torch.int64, device=DEV), w, TRI)
+    out = combine_rows(y, torch.zeros(0, dtype=torch.int64, device=DEV), w, TRI)
     out.float().sum().backward()
-    assert out.shape == (0, 64) and y.grad.shape == (0, 64) and w.grad.shape == (0, 2)
+    assert out.shape == (0, 64) and y.grad.shape == (0, 64) and w.grad is None
     y = torch.randn(8, 64, device=DEV).bfloat16()
     inv = torch.randperm(8).to(DEV)
-    with pytest.raises(ValueError, match="T \\* k"):
-        km.triton_combine_quantize(y, inv, torch.ones(3, 2, device=DEV).bfloat16(), "e4m3", "rceil")
+    dy = torch.randn(4, 64, device=DEV).bfloat16()
+    with pytest.raises(ValueError, match="T = 4"):
+        km.triton_combine_rows_backward(dy, torch.ones(3, 2, device=DEV).bfloat16(), inv)
     with pytest.raises(TypeError, match="dtype"):
-        km.triton_combine_quantize(y, inv, torch.ones(4, 2, device=DEV), "e4m3", "rceil")
+        km.triton_combine_rows_backward(dy, torch.ones(4, 2, device=DEV), inv)
     with pytest.raises(TypeError, match="bfloat16"):
-        km.triton_combine_quantize(y.float(), inv, torch.ones(4, 2, device=DEV), "e4m3", "rceil")
-    with pytest.raises(TypeError, match="bfloat16"):
-        km.triton_combine_backward(y[:4].float(), torch.ones(4, 2, device=DEV), *km.triton_combine_quantize(
-            y, inv, torch.ones(4, 2, device=DEV).bfloat16(), "e4m3", "rceil")[1:], inv)
+        km.triton_combine_rows_backward(dy.float(), torch.ones(4, 2, device=DEV), inv)
     with pytest.raises(ValueError, match="int64"):
-        km.triton_combine_quantize(y, inv.int(), torch.ones(4, 2, device=DEV).bfloat16(), "e4m3", "rceil")
-    with pytest.raises(ValueError, match="multiple of 32"):
-        km.triton_combine_quantize(y[:, :48], inv, torch.ones(4, 2, device=DEV).bfloat16(), "e4m3", "rceil")
+        km.triton_combine_rows_backward(dy, torch.ones(4, 2, device=DEV).bfloat16(), inv.int())
     with pytest.raises(ValueError, match="k = 3"):
         km.triton_sum_token_rows(y, inv, 3, torch.bfloat16)
+    for bad_w in (torch.ones(4, 2, device=DEV).bfloat16(), torch.ones(4, 3, device=DEV),
+                  torch.ones(4, 2, device="meta")):
+        with pytest.raises(ValueError, match="weights must be float32"):
+            km.triton_sum_token_rows(y, inv, 2, torch.bfloat16, bad_w)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
@@ -383,89 +379,77 @@ def test_sum_token_rows_refuses_k_below_one_on_both_paths(recipe):
 
 def test_fused_combine_sums_in_choice_order():
     """The float32 sum over k runs in choice order j = 0..k-1, as documented: terms
-    [2^24, 1, -2^24] give 0 in that order (2^24 + 1 rounds to 2^24) and 1 reversed; the
-    same for the dx un-permute over a token's rows in the given order."""
+    [2^24, 1, -2^24] give 0 in that order (2^24 + 1 rounds to 2^24) and 1 reversed, for
+    the combine (weighted, products rounded) and for the dx un-permute."""
     from mxmoe.kernels import moe_experts as km
 
     D = 32
     y = torch.tensor([2.0 ** 24, 1.0, -(2.0 ** 24)]).repeat_interleave(D).view(3, D).bfloat16().to(DEV)
     inv = torch.arange(3, device=DEV)
-    out, _, _ = km.triton_combine_quantize(y, inv, torch.ones(1, 3, device=DEV).bfloat16(), "e4m3", "rceil")
-    assert torch.equal(out.float().cpu(), torch.zeros(1, D))
-    out, _, _ = km.triton_combine_quantize(y, inv.flip(0), torch.ones(1, 3, device=DEV).bfloat16(), "e4m3", "rceil")
-    assert torch.equal(out.float().cpu(), torch.ones(1, D))
-    s = km.triton_sum_token_rows(y, inv, 3, torch.float32)
-    assert torch.equal(s.cpu(), torch.zeros(1, D))
-    s = km.triton_sum_token_rows(y, inv.flip(0), 3, torch.float32)
-    assert torch.equal(s.cpu(), torch.ones(1, D))
+    ones = torch.ones(1, 3, device=DEV)
+    for weights in (ones, None):
+        s = km.triton_sum_token_rows(y, inv, 3, torch.float32, weights, weights is not None)
+        assert torch.equal(s.cpu(), torch.zeros(1, D))
+        s = km.triton_sum_token_rows(y, inv.flip(0), 3, torch.float32, weights, weights is not None)
+        assert torch.equal(s.cpu(), torch.ones(1, D))
 
 
 def test_fused_combine_takes_any_layout_of_dy_and_weights():
     """dy as autograd gives it for out.sum() (stride 0, expanded) and weights from a
-    transposed tensor: the same results as contiguous copies."""
+    transposed tensor: the same rows' gradient as contiguous copies."""
     from mxmoe.kernels import moe_experts as km
 
     g = torch.Generator().manual_seed(4)
     T, k, D = 9, 2, 64
-    y = spread(T * k, D, 1).bfloat16().to(DEV)
     inv = torch.randperm(T * k, generator=g).to(DEV)
     w = torch.rand(k, T, generator=g).bfloat16().to(DEV).t()  # (T, k), not contiguous
-    _, q, s = km.triton_combine_quantize(y, inv, w, "e4m3", "rceil")
     dy = torch.randn(1, D, generator=g).bfloat16().to(DEV).expand(T, D)
-    a = km.triton_combine_backward(dy, w, q, s, inv)
-    b = km.triton_combine_backward(dy.contiguous(), w.contiguous(), q, s, inv)
-    assert all(_same(u.cpu(), v.cpu()) for u, v in zip(a, b))
+    a = km.triton_combine_rows_backward(dy, w, inv)
+    b = km.triton_combine_rows_backward(dy.contiguous(), w.contiguous(), inv)
+    assert _same(a.cpu(), b.cpu())
 
 
 def test_fused_combine_rejects_what_it_cannot_read():
-    """Codes or scales of the wrong dtype or shape, a 3-D y, an inverse permutation with
-    rows outside [0, A) (checked off CUDA), a non-permutation order through the layer's
-    combine (checked off CUDA), an int32 order: clear errors, nothing read out of bounds."""
+    """A 3-D dy, an inverse permutation with rows outside [0, A) (checked off CUDA), a
+    non-permutation order through the layer's combine (checked off CUDA), an int32 order:
+    clear errors, nothing read out of bounds."""
     from mxmoe.kernels import moe_experts as km
-    from mxmoe.nn.moe import combine_weighted
+    from mxmoe.ops.combine import combine_rows
 
     y = torch.randn(8, 64, device=DEV).bfloat16()
     inv = torch.randperm(8).to(DEV)
     w = torch.ones(4, 2, device=DEV).bfloat16()
     dy = torch.randn(4, 64, device=DEV).bfloat16()
-    _, q, s = km.triton_combine_quantize(y, inv, w, "e4m3", "rceil")
-    with pytest.raises(TypeError, match="float8"):
-        km.triton_combine_backward(dy, w, q.view(torch.uint8), s, inv)
-    with pytest.raises(TypeError, match="e8m0"):
-        km.triton_combine_backward(dy, w, q, s.view(torch.uint8), inv)
-    with pytest.raises(ValueError, match="codes"):
-        km.triton_combine_backward(dy, w, q[:, :32], s, inv)
-    with pytest.raises(ValueError, match="\\(A, D\\)"):
-        km.triton_combine_quantize(y.view(2, 4, 64), inv, w, "e4m3", "rceil")
+    with pytest.raises(ValueError, match="\\(T, D\\)"):
+        km.triton_combine_rows_backward(dy.view(2, 2, 64), w, inv)
     with pytest.raises(TypeError, match="int64"):
-        combine_weighted(y, inv.int(), w.float(), TRI)
+        combine_rows(y, inv.int(), w.float(), TRI)
     if DEV.type != "cuda":
         bad = inv.clone()
         bad[0] = 8
         with pytest.raises(IndexError, match="0..7"):
-            km.triton_combine_quantize(y, bad, w, "e4m3", "rceil")
+            km.triton_combine_rows_backward(dy, w, bad)
         with pytest.raises(IndexError, match="0..7"):
             km.triton_sum_token_rows(y, bad, 2, torch.bfloat16)
         bad[0] = bad[1]
         with pytest.raises(ValueError, match="permutation"):
-            combine_weighted(y, bad, w.float(), TRI)
+            combine_rows(y, bad, w.float(), TRI)
 
 
 def test_fused_combine_empty_sums_are_zero():
     """k = 0 (no choices) and D = 0: the combine's sums are empty, so zeros, like the
-    torch path's; d(w) over D = 0 is zero too."""
+    torch path's; the rows' gradient over D = 0 is empty."""
     from mxmoe.kernels import moe_experts as km
 
-    out, q, s = km.triton_combine_quantize(torch.empty(0, 64, device=DEV).bfloat16(),
-                                           torch.empty(0, dtype=torch.int64, device=DEV),
-                                           torch.empty(3, 0, device=DEV).bfloat16(), "e4m3", "rceil")
-    assert torch.equal(out.float().cpu(), torch.zeros(3, 64)) and q.shape == (0, 64)
+    out = km.triton_sum_token_rows(torch.empty(0, 64, device=DEV).bfloat16(),
+                                   torch.empty(0, dtype=torch.int64, device=DEV), 1, torch.bfloat16)
+    assert out.shape == (0, 64)
     inv = torch.arange(6, device=DEV)
-    w = torch.ones(3, 2, device=DEV).bfloat16()
-    out, q, s = km.triton_combine_quantize(torch.empty(6, 0, device=DEV).bfloat16(), inv, w, "e4m3", "rceil")
+    w = torch.ones(3, 2, device=DEV)
+    out = km.triton_sum_token_rows(torch.empty(6, 0, device=DEV).bfloat16(), inv, 2, torch.bfloat16, w, True)
     assert out.shape == (3, 0)
-    dys, dw = km.triton_combine_backward(torch.empty(3, 0, device=DEV).bfloat16(), w, q, s, inv)
-    assert dys.shape == (6, 0) and torch.equal(dw.cpu(), torch.zeros(3, 2))
+    dys = km.triton_combine_rows_backward(torch.empty(3, 0, device=DEV).bfloat16(), w.bfloat16(), inv)
+    assert dys.shape == (6, 0)
 
 
 def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
@@ -488,7 +472,7 @@ def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
             return lambda *args, **kwargs: None
 
     for name in ("_gather_fake_quant_rows_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
-                 "_combine_quantize_kernel", "_combine_backward_kernel", "_sum_token_rows_kernel"):
+                 "_combine_rows_backward_kernel", "_sum_token_rows_kernel"):
         monkeypatch.setattr(km.km, name, Recorder(name))
     T, k, D = 300_000, 8, 32
     A = T * k
@@ -498,13 +482,12 @@ def test_moe_kernel_grids_stay_within_cuda_limits(monkeypatch):
     km.triton_gather_fake_quantize_rows(x, rows, "e4m3", "rceil", torch.bfloat16)
     _, hq, hs = km.triton_swiglu_quantize(torch.empty(A, 2 * D, dtype=torch.bfloat16, device=DEV), "e4m3", "rceil",
                                           torch.bfloat16)
-    km.triton_swiglu_backward(hq, hs, wide, torch.bfloat16)
+    km.triton_swiglu_backward(hq, hs, wide, torch.bfloat16, True)
     w = torch.empty(T, k, dtype=torch.bfloat16, device=DEV)
     monkeypatch.setattr(km, "_check_rows", lambda *a: None)  # the zeros above are not a permutation
-    _, q, s = km.triton_combine_quantize(wide, rows, w, "e4m3", "rceil")
-    km.triton_combine_backward(x, w, q, s, rows)
-    km.triton_sum_token_rows(wide, rows, k, torch.bfloat16)
-    assert len(grids) == 6
+    km.triton_combine_rows_backward(x, w, rows)
+    km.triton_sum_token_rows(wide, rows, k, torch.bfloat16, w.float(), True)
+    assert len(grids) == 5
     for name, grid in grids.items():
         assert len(grid) == 1 and grid[0] < 2 ** 31, (name, grid)
     with pytest.raises(ValueError, match="65535"):
@@ -600,7 +583,7 @@ def test_fused_op_checks_routing_on_cpu(case):
 
 def test_double_backward_is_refused():
     """Second derivatives through the quantizers mean nothing: the fused op and the
-    MXFP8-saving combine refuse them instead of returning numbers."""
+    fused path's combine refuse them instead of returning numbers."""
     m = MoELayer(64, 4, 2, 64, 2, REF, fused=True)
     x = torch.randn(8, 64).bfloat16().requires_grad_(True)
     y, _ = m(x)

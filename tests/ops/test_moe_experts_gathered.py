@@ -103,6 +103,7 @@ def test_moe_layer_takes_the_gathered_path_only_when_asked(torch_engine, monkeyp
     moe = MoE(d_model=32, n_experts=4, top_k=2, d_expert=16, recipe="bf16").bfloat16()
     x = torch.randn(2, 5, 32).bfloat16()
     monkeypatch.setattr(quack_moe, "available", lambda: True)
+    monkeypatch.setattr(quack_moe, "on_sm90", lambda x: True)
     monkeypatch.delenv("MXMOE_EXPERT_ENGINE", raising=False)
     want, _ = moe(x)
     assert moe.last_expert_path == "composed"
@@ -110,24 +111,33 @@ def test_moe_layer_takes_the_gathered_path_only_when_asked(torch_engine, monkeyp
     got, _ = moe(x)
     assert moe.last_expert_path == "gathered" and moe.last_ran_fused is False
     assert rel(got, want) < 1e-2
+    moe(x.float())  # float32 activations: not this path
+    assert moe.last_expert_path == "composed"
     moe.set_recipe("mxfp8")
     moe(x)
     assert moe.last_expert_path != "gathered"
 
 
 def test_expert_engine_setting_is_checked(monkeypatch):
-    """A value outside ("default", "quack") is a ValueError naming the variable; "quack"
-    without QuACK names the extra to install."""
+    """A value outside ("default", "quack") (case and spaces aside) is a ValueError quoting
+    it; "quack" without QuACK is a ValueError naming the extra only where the path would
+    apply (an sm90 GPU); elsewhere, and for MX recipes, the setting is ignored."""
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
     monkeypatch.setenv("MXMOE_EXPERT_ENGINE", "sonic")
     with pytest.raises(ValueError, match="MXMOE_EXPERT_ENGINE='sonic'"):
         backend.expert_engine()
-    monkeypatch.setenv("MXMOE_EXPERT_ENGINE", "quack")
+    for value in ("QUACK", " quack "):
+        monkeypatch.setenv("MXMOE_EXPERT_ENGINE", value)
+        assert backend.expert_engine() == "quack"
     monkeypatch.setattr(quack_moe, "available", lambda: False)
+    assert not backend.use_gathered_experts(x, BF16, 8, 8)  # the CPU: ignored
+    monkeypatch.setattr(quack_moe, "on_sm90", lambda t: True)
+    assert not backend.use_gathered_experts(x, get_recipe("mxfp8"), 8, 8)
     with pytest.raises(ValueError, match=r"mxmoe\[hopper\]"):
-        backend.expert_engine()
+        backend.use_gathered_experts(x, BF16, 8, 8)
     monkeypatch.setenv("MXMOE_EXPERT_ENGINE", "")
     assert backend.expert_engine() == "default"
-    assert not backend.use_gathered_experts(torch.zeros(2, 8, dtype=torch.bfloat16), BF16, 8, 8)
+    assert not backend.use_gathered_experts(x, BF16, 8, 8)
 
 
 def test_gathered_experts_refuse_what_they_cannot_run():
@@ -192,6 +202,7 @@ def quack_refs(monkeypatch):
 
     def gemm(A, B, out=None, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, dynamic_scheduler=False,
              concat_layout=None):
+        assert A_idx is None or A_idx.dtype == torch.int32
         idx = A_idx.long() if A_idx is not None else None
         B = _interleave_noncontiguous(B) if concat_layout and "B" in concat_layout else B
         r = gi.gemm_ref(A.float(), B.float(), cu_seqlens_m=cu_seqlens_m, cu_seqlens_k=cu_seqlens_k, A_idx=idx)
@@ -203,8 +214,10 @@ def quack_refs(monkeypatch):
             out.copy_(r)
         return out
 
-    def gemm_gated(A, B, activation, preact_out, postact_out, cu_seqlens_m, A_idx, concat_layout):
-        pre, post = gi.gemm_gated_ref(A.float(), _interleave_noncontiguous(B).float(), activation=activation,
+    def gemm_gated(A, B, activation, preact_out, postact_out, cu_seqlens_m, A_idx, concat_layout=None):
+        assert A_idx.dtype == torch.int32 and cu_seqlens_m.dtype == torch.int32  # QuACK's index types
+        B = _interleave_noncontiguous(B) if concat_layout and "B" in concat_layout else B
+        pre, post = gi.gemm_gated_ref(A.float(), B.float(), activation=activation,
                                       cu_seqlens_m=cu_seqlens_m, A_idx=A_idx.long())
         preact_out.copy_(pre)
         postact_out.copy_(post)

@@ -92,6 +92,7 @@ from ..nn.moe import (
     runs_fused,
     tokens_per_expert,
 )
+from ..ops.combine import combine_rows
 from ..ops.moe_experts import mx_moe_experts
 from ..numerics.formats import ElemFormat
 from ..numerics.mx_tensor import MXTensor
@@ -164,6 +165,16 @@ def _check_wire_recipe(recipe: Recipe, what: str = "MXFP8 dispatch") -> None:
     if not recipe.quantize or recipe.fmt not in WIRE_FORMATS:
         raise ValueError(f"{what} needs a quantizing recipe with FP8 elements ({[f.value for f in WIRE_FORMATS]}), "
                          f"got {recipe.name!r} (quantize={recipe.quantize}, fmt={recipe.fmt.value})")
+
+
+def _place_rows(rows_AC: Tensor, send_index_A: Tensor | None, send_rows: int) -> Tensor:
+    """Rows placed in a padded send buffer of ``send_rows`` rows at ``send_index_A`` (rows
+    whose index is ``send_rows`` or past it, the dropped ones, fall off the end); None: the
+    rows as they are (exact splits)."""
+    if send_index_A is None:
+        return rows_AC
+    buf = rows_AC.new_zeros((send_rows + rows_AC.shape[0], rows_AC.shape[1]))
+    return buf.index_copy(0, send_index_A, rows_AC)[:send_rows]
 
 
 class _MXDispatch(torch.autograd.Function):
@@ -525,10 +536,7 @@ class ExpertParallelMoELayer(nn.Module):
         k, D = self.top_k, x_TD.shape[1]
 
         def place(rows_AC: Tensor) -> Tensor:
-            if send_index_A is None:
-                return rows_AC
-            buf = rows_AC.new_zeros((send_rows + rows_AC.shape[0], rows_AC.shape[1]))
-            return buf.index_copy(0, send_index_A, rows_AC)[:send_rows]
+            return _place_rows(rows_AC, send_index_A, send_rows)
 
         x_send = place(x_sorted_AD)
         if self.mx_dispatch:  # quantize the T token rows once, then route their bytes
@@ -536,6 +544,16 @@ class ExpertParallelMoELayer(nn.Module):
             return _MXDispatch.apply(x_send, packed_AB, D, self.recipe, recv_splits, send_splits, self.group,
                                      self.comm_stats)
         return AllToAllRows.apply(x_send, recv_splits, send_splits, self.group, self.comm_stats, "dispatch")
+
+    def _dispatch_weights(self, weights_sorted_A: Tensor, recv_splits, send_splits, send_index_A: Tensor | None = None,
+                          send_rows: int = 0) -> Tensor:
+        """The combine weight of each dispatched row (float32), exchanged with the rows' plan
+        so that the fused expert op on the receiving rank gets it (``mx_moe_experts``'s
+        ``weights_A``) and returns its gradient, which comes back through this exchange's
+        backward: the origin's combine then keeps nothing of the expert outputs. One float
+        per row."""
+        w_A1 = _place_rows(weights_sorted_A.float().unsqueeze(1), send_index_A, send_rows)
+        return AllToAllRows.apply(w_A1, recv_splits, send_splits, self.group, self.comm_stats, "weights").squeeze(1)
 
     def _combine_exchange(self, y_NC: Tensor, recv_splits, send_splits, during=None) -> tuple[Tensor, Tensor | None]:
         """The combine all-to-all; its backward in MXFP8 where exact (``mx_backward``).
@@ -556,15 +574,22 @@ class ExpertParallelMoELayer(nn.Module):
             out = AllToAllRows.apply(y_NC, recv_splits, send_splits, self.group, self.comm_stats, "combine")
         return out, (during() if during is not None else None)
 
-    def _local_experts(self, x_RD: Tensor, src_R: Tensor, offsets_L: Tensor, unrouted_tail: bool
-                       ) -> tuple[Tensor, bool]:
+    def _local_experts(self, x_RD: Tensor, src_R: Tensor, offsets_L: Tensor, unrouted_tail: bool,
+                       weights_R: Tensor | None) -> Tensor:
         """The L local experts on the rows x_RD[src_R] (expert-major); returns their outputs
-        in expert-major order and whether the fused op ran."""
-        fused = runs_fused(self.fused, self.recipe, x_RD)
-        if fused:
+        in expert-major order. ``weights_R`` (the fused path): the combine weight of each
+        received row, whose gradient the fused op returns."""
+        if weights_R is not None:
             return mx_moe_experts(x_RD, src_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe,
-                                  unrouted_tail=unrouted_tail), True
-        return self.experts(x_RD.index_select(0, src_R), offsets_L, self.recipe), False
+                                  unrouted_tail=unrouted_tail, weights_A=weights_R.index_select(0, src_R))
+        return self.experts(x_RD.index_select(0, src_R), offsets_L, self.recipe)
+
+    def _combine(self, y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, fused: bool) -> Tensor:
+        """The origin's combine: on the fused path the weights' gradient came from the expert
+        op (:meth:`_dispatch_weights`) and nothing of y is kept; otherwise plain autograd."""
+        if fused:
+            return combine_rows(y_sorted_AD, order_A, weights_Tk, self.recipe)
+        return combine_weighted(y_sorted_AD, order_A, weights_Tk)
 
     def _routed_padded(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
                        ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, bool]:
@@ -587,14 +612,17 @@ class ExpertParallelMoELayer(nn.Module):
         self.last_dropped_rows = dropped_rows(counts_PE, L, C)
         x_sorted_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D).index_select(0, order_A)
         x_ND = self._dispatch_rows(x_TD, order_A, x_sorted_AD, splits, splits, target_A, N)
+        fused = runs_fused(self.fused, self.recipe, x_TD)
+        w_N = (self._dispatch_weights(weights_Tk.reshape(-1).index_select(0, order_A), splits, splits, target_A, N)
+               if fused else None)
         src_N, out_row_N, valid_N, offsets_L = receive_plan(counts_PE, self.rank, L, C)
-        y_local_ND, fused = self._local_experts(x_ND, src_N, offsets_L, unrouted_tail=True)
+        y_local_ND = self._local_experts(x_ND, src_N, offsets_L, True, w_N)
         # back to buffer order; the padding rows (unspecified on the fused path) become zeros
         y_ND = torch.where(valid_N.unsqueeze(1), y_local_ND.index_select(0, out_row_N), 0.0)
         y_back_ND, y_shared_TD = self._combine_exchange(y_ND, splits, splits, shared)
         y_back = torch.cat([y_back_ND, y_back_ND.new_zeros(T * k, D)])  # dropped rows read zeros
         y_sorted_AD = y_back.index_select(0, target_A)
-        y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
+        y_TD = self._combine(y_sorted_AD, order_A, weights_Tk, fused)
         return y_TD, y_shared_TD, counts_global_E, counts_global_E.sum() // k, fused
 
     def _routed_host_splits(self, x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, shared=None
@@ -621,15 +649,18 @@ class ExpertParallelMoELayer(nn.Module):
         # 2. dispatch (rows sorted by expert = grouped by destination rank, rank order)
         x_sorted_AD = x_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D).index_select(0, order_A)
         x_RD = self._dispatch_rows(x_TD, order_A, x_sorted_AD, recv_splits, send_splits)
+        fused = runs_fused(self.fused, self.recipe, x_TD)
+        w_R = (self._dispatch_weights(weights_Tk.reshape(-1).index_select(0, order_A), recv_splits, send_splits)
+               if fused else None)
         perm_R = expert_major_order(recv_counts_PL).to(device, non_blocking=True)
         offsets_L = torch.cumsum(recv_counts_PL.sum(dim=0), 0).to(device=device, dtype=torch.int32)
         # 3. local experts, rows in (local expert, global token) order (the same rows in the
         # same order as the single-process layer's experts see)
-        y_local_RD, fused = self._local_experts(x_RD, perm_R, offsets_L, unrouted_tail=False)
+        y_local_RD = self._local_experts(x_RD, perm_R, offsets_L, False, w_R)
         # 4. combine: back to source-major, reverse exchange, unpermute, weight, sum over k
         y_RD = torch.zeros_like(y_local_RD).index_copy(0, perm_R, y_local_RD)
         y_sorted_AD, y_shared_TD = self._combine_exchange(y_RD, send_splits, recv_splits, shared)
-        y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, self.recipe if fused else None)
+        y_TD = self._combine(y_sorted_AD, order_A, weights_Tk, fused)
         return y_TD, y_shared_TD, counts_global_E.to(device), tokens_global, fused
 
     def _loss_shares(self, probs_TE: Tensor, logits_TE: Tensor, counts_global_E: Tensor,

@@ -5,10 +5,9 @@
 | :func:`triton_gather_fake_quantize_rows` | x (T, D), src (A,) | (A, D) dequantized MXFP8 of x[src], blocks along D |
 | :func:`triton_quantize_grouped_gather` | x (T, D), src (A,), offsets (E,) | codes (D, Ap), scales (D, Ap / 32), padded offsets: x[src] blocked along each expert's tokens |
 | :func:`triton_swiglu_quantize` | h (A, 2F) | act (A, F) dequantized MXFP8 of silu(gate) * up; codes (A, 2F) + scales (A, 2F / 32) of h |
-| :func:`triton_swiglu_backward` | codes + scales of h, d(act) (A, F) | dh (A, 2F), recomputed act (A, F) |
-| :func:`triton_combine_quantize` | y (A, D) sorted by expert, inv (A,), w (T, k) | y_TD (T, D) weighted sum over k; codes (A, D) + scales (A, D / 32) of y in (token, choice) order |
-| :func:`triton_combine_backward` | dy (T, D), w (T, k), codes + scales of y, inv (A,) | d(y sorted) (A, D), d(w) (T, k) float32 |
-| :func:`triton_sum_token_rows` | x (A, D), rows (T * k,), optional weights (T, k) | (T, D): each token's k rows summed (weighted) in float32 |
+| :func:`triton_swiglu_backward` | codes + scales of h, d(act) (A, F) | dh (A, 2F), recomputed act (A, F), optionally each row's act . d(act) (A,) float32 |
+| :func:`triton_combine_rows_backward` | dy (T, D), w (T, k), inv (A,) | d(y sorted) (A, D) alone: each routed row's dy times its weight |
+| :func:`triton_sum_token_rows` | x (A, D), rows (T * k,), optional weights (T, k) | (T, D): each token's k rows summed (weighted: the combine) in float32 |
 
 D and F must be multiples of 32 (the callers in :mod:`mxmoe.ops.moe_experts` check and
 otherwise take the composed path). FP8 element formats only.
@@ -31,7 +30,7 @@ from .quantize import _check_tensor, _codes, _grid, _grouped_launch, _launch_set
 BLOCK = 32
 # (rows, columns) per program and warps, on the GPU and under the interpreter
 TUNING = {"gather": ((32, 128), 4), "swiglu": ((32, 64), 4), "swiglu_bwd": ((32, 64), 4),
-          "combine": ((4, 512), 4), "combine_bwd": ((4, 512), 4), "sum_rows": ((4, 512), 4)}
+          "combine_bwd": ((4, 512), 4), "sum_rows": ((4, 512), 4)}
 _INTERPRETER_TILE = (64, 128)
 
 
@@ -160,28 +159,34 @@ def _(h_A2F, fmt, mode, act_dtype):
 
 
 @torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
-def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype
-                           ) -> tuple[Tensor, Tensor]:
+def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype, row_dot: bool = False
+                           ) -> tuple[Tensor, Tensor, Tensor]:
     """d(gate) | d(up) (A, 2F) and the recomputed act = silu(gate) * up (A, F), both in
-    ``out_dtype``, from the saved codes/scales of h and d(act) (A, F)."""
+    ``out_dtype``, from the saved codes/scales of h and d(act) (A, F); with ``row_dot`` also
+    (A,) float32 sum over F of act * d(act) (act in float32, before its rounding; summed in
+    column tiles, then the tiles in order), else an empty tensor."""
     A, F = dact_AF.shape
     _check(dact_AF, "d(act)", F)
     elem = _saved_codes_elem(hq, hs, (A, 2 * F), "triton_swiglu_quantize")
     dev = dact_AF.device
     dh = torch.empty(A, 2 * F, dtype=out_dtype, device=dev)
     act = torch.empty(A, F, dtype=out_dtype, device=dev)
+    br, bc, w = _tile("swiglu_bwd")
+    n_cb = triton.cdiv(F, bc) if F else 0
+    parts = torch.zeros(A if row_dot else 0, n_cb, dtype=torch.float32, device=dev)
     if A and F:
-        br, bc, w = _tile("swiglu_bwd")
-        km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br) * triton.cdiv(F, bc), what="swiglu backward")](
-            hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act, ELEM=elem,
-            SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-    return dh, act
+        km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br) * n_cb, what="swiglu backward")](
+            hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act,
+            parts if row_dot else dh, ELEM=elem, SOFT_CASTS=_launch_settings("rows")["soft_casts"], ROW_DOT=row_dot,
+            BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return dh, act, parts.sum(dim=1) if row_dot else parts.new_empty(0)
 
 
 @triton_swiglu_backward.register_fake
-def _(hq, hs, dact_AF, out_dtype):
+def _(hq, hs, dact_AF, out_dtype, row_dot=False):
     A, F = dact_AF.shape
-    return dact_AF.new_empty(A, 2 * F, dtype=out_dtype), dact_AF.new_empty(A, F, dtype=out_dtype)
+    return (dact_AF.new_empty(A, 2 * F, dtype=out_dtype), dact_AF.new_empty(A, F, dtype=out_dtype),
+            dact_AF.new_empty(A if row_dot else 0, dtype=torch.float32))
 
 
 def _check_rows(rows: Tensor, name: str, n: int) -> None:
@@ -201,100 +206,26 @@ def _check_bf16(t: Tensor, name: str) -> None:
                         f"mxmoe.nn.moe.combine_weighted covers other dtypes)")
 
 
-def _check_topk(w_Tk: Tensor, A: int) -> tuple[int, int]:
-    if w_Tk.dim() != 2 or w_Tk.shape[0] * w_Tk.shape[1] != A:
-        raise ValueError(f"weights must be (T, k) with T * k = A = {A} routed rows, got {tuple(w_Tk.shape)}")
-    return w_Tk.shape[0], w_Tk.shape[1]
-
-
-@torch.library.custom_op("mxmoe::combine_quantize", mutates_args=())
-def triton_combine_quantize(y_sorted_AD: Tensor, inv_A: Tensor, w_Tk: Tensor, fmt: str, mode: str
-                            ) -> tuple[Tensor, Tensor, Tensor]:
-    """The weighted combine of the MoE layer fused with the MXFP8 quantization of the
-    per-choice outputs it keeps for backward.
+@torch.library.custom_op("mxmoe::combine_rows_backward", mutates_args=())
+def triton_combine_rows_backward(dy_TD: Tensor, w_Tk: Tensor, inv_A: Tensor) -> Tensor:
+    """The rows' gradient of the combine y_TD[t] = sum_j w[t, j] * y[inv[t * k + j]]:
+    d_y_sorted (A, D) in dy's dtype, row inv[t * k + j] = dy[t] * w[t, j] rounded to dy's
+    dtype (the weights' own gradient is not computed here:
+    :func:`mxmoe.ops.moe_experts.mx_moe_experts` gives it from its backward).
 
     Args:
-        y_sorted_AD: (A, D) bfloat16 expert outputs, rows sorted by expert; D a multiple
-            of 32.
-        inv_A: (A,) int64, the sorted row of assignment a = t * k + j (the inverse of the
-            sort permutation).
-        w_Tk: (T, k) combine weights in y's dtype, T * k = A.
-        fmt, mode: element format ("e4m3"/"e5m2") and scale rule ("floor"/"rceil").
-
-    Returns:
-        y_TD (T, D) in y's dtype: sum over j = 0..k-1 of w[t, j] * y[inv[t * k + j]], each
-        product rounded to y's dtype, summed in float32 in that order and rounded once
-        (the arithmetic of ``(y_AD.view(T, k, D) * w.unsqueeze(-1)).sum(1)``; bit-equal to
-        it for k <= 2, where the order of a float32 sum cannot matter);
-        codes (A, D) and E8M0 scales (A, D / 32) of y in (token, choice) order, blocks
-        along D, bit-equal to :func:`~mxmoe.numerics.mx_tensor.torch_quantize_mx`.
+        dy_TD: (T, D) bfloat16. w_Tk: (T, k) combine weights in dy's dtype.
+        inv_A: (A,) int64 sorted row of each assignment, A = T * k.
 
     Raises:
-        ValueError / TypeError: shapes, dtypes or a D that is not a multiple of 32;
-            IndexError (off CUDA): inv outside [0, A). On CUDA inv is not checked (a host
-            sync): it must be a permutation of range(A).
-    """
-    if y_sorted_AD.dim() != 2:
-        raise ValueError(f"y must be (A, D), got shape {tuple(y_sorted_AD.shape)}")
-    A, D = y_sorted_AD.shape
-    _check(y_sorted_AD, "y", D)
-    _check_bf16(y_sorted_AD, "y")
-    _check_rows(inv_A, "inv", A)
-    T, k = _check_topk(w_Tk, A)
-    if w_Tk.dtype != y_sorted_AD.dtype:
-        raise TypeError(f"weights are {w_Tk.dtype}, y is {y_sorted_AD.dtype}: pass the weights in y's dtype")
-    elem, q_dtype, mode_code = _codes(fmt, mode)
-    dev = y_sorted_AD.device
-    out = torch.empty(T, D, dtype=y_sorted_AD.dtype, device=dev)
-    q = torch.empty(A, D, dtype=torch.uint8, device=dev)
-    s = torch.empty(A, D // BLOCK, dtype=torch.uint8, device=dev)
-    if A and D:
-        br, bc, w = _tile("combine")
-        cfg = _launch_settings("rows")
-        km._combine_quantize_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="combine")](
-            y_sorted_AD.contiguous(), inv_A.contiguous(), w_Tk.contiguous(), T, D, out, q, s, TOPK=k, ELEM=elem,
-            MODE=mode_code, HW_ROUND=cfg["hw_round"], SOFT_CASTS=cfg["soft_casts"], BLOCK_R=br, BLOCK_C=bc,
-            num_warps=w)
-    elif T:  # k = 0 or D = 0: an empty sum
-        out.zero_()
-    return out, q.view(q_dtype), s.view(torch.float8_e8m0fnu)
-
-
-@triton_combine_quantize.register_fake
-def _(y_sorted_AD, inv_A, w_Tk, fmt, mode):
-    A, D = y_sorted_AD.shape
-    return (y_sorted_AD.new_empty(w_Tk.shape[0], D), y_sorted_AD.new_empty(A, D, dtype=_codes(fmt, mode)[1]),
-            y_sorted_AD.new_empty(A, D // BLOCK, dtype=torch.float8_e8m0fnu))
-
-
-@torch.library.custom_op("mxmoe::combine_backward", mutates_args=())
-def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: Tensor, inv_A: Tensor
-                            ) -> tuple[Tensor, Tensor]:
-    """Backward of :func:`triton_combine_quantize` from the codes it saved.
-
-    Args:
-        dy_TD: (T, D) bfloat16 gradient of the combined output.
-        w_Tk: (T, k) combine weights in dy's dtype.
-        yq_AD, ys_AD: (A, D) FP8 codes and (A, D / 32) E8M0 scales of the per-choice
-            outputs in (token, choice) order.
-        inv_A: (A,) int64 sorted row of each assignment.
-
-    Returns:
-        d_y_sorted (A, D) in dy's dtype, expert-sorted rows: row inv[t * k + j] is
-        dy[t] * w[t, j] rounded to dy's dtype; d_w (T, k) float32: sum over D of
-        dy[t] * y[t * k + j] (each product rounded to dy's dtype, float32 sum in column
-        blocks, rounded to dy's dtype), y the dequantized codes. The float32 sum's order
-        differs from torch's: the two differ by up to D 2^-24 sum |terms| before the bf16
-        rounding (a bf16 ulp or less unless the sum cancels).
-
-    Raises:
-        ValueError / TypeError: shapes, dy or weights not bf16, codes not an FP8 dtype,
-            scales not float8_e8m0fnu; IndexError (off CUDA): inv outside [0, A).
+        ValueError / TypeError: shapes, dy or weights not bf16; IndexError (off CUDA): inv
+            outside [0, A). On CUDA inv is not checked (a host sync): it must be a
+            permutation of range(A).
     """
     if dy_TD.dim() != 2:
         raise ValueError(f"dy must be (T, D), got shape {tuple(dy_TD.shape)}")
     T, D = dy_TD.shape
-    _check(dy_TD, "dy", D)
+    _check_tensor(dy_TD, "dy")
     _check_bf16(dy_TD, "dy")
     if w_Tk.dim() != 2 or w_Tk.shape[0] != T:
         raise ValueError(f"weights must be (T, k) with T = {T} (dy's rows), got {tuple(w_Tk.shape)}")
@@ -303,56 +234,53 @@ def triton_combine_backward(dy_TD: Tensor, w_Tk: Tensor, yq_AD: Tensor, ys_AD: T
     _check_rows(inv_A, "inv", A)
     if w_Tk.dtype != dy_TD.dtype:
         raise TypeError(f"weights are {w_Tk.dtype}, dy is {dy_TD.dtype}: pass the weights in dy's dtype")
-    elem = _saved_codes_elem(yq_AD, ys_AD, (A, D), "triton_combine_quantize")
-    dev = dy_TD.device
-    dys = torch.empty(A, D, dtype=dy_TD.dtype, device=dev)
-    dw = torch.empty(T, k, dtype=torch.float32, device=dev)
+    dys = torch.empty(A, D, dtype=dy_TD.dtype, device=dy_TD.device)
     if A and D:
         br, bc, w = _tile("combine_bwd")
-        km._combine_backward_kernel[(triton.cdiv(T, br),)](
-            dy_TD.contiguous(), w_Tk.contiguous(), yq_AD.contiguous().view(torch.uint8),
-            ys_AD.contiguous().view(torch.uint8), inv_A.contiguous(), T, D, dys, dw, TOPK=k,
-            TOPK_P2=triton.next_power_of_2(k), ELEM=elem, SOFT_CASTS=_launch_settings("rows")["soft_casts"],
-            BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-    elif T:
-        dw.zero_()
-    return dys, dw
+        km._combine_rows_backward_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="combine rows backward")](
+            dy_TD.contiguous(), w_Tk.contiguous(), inv_A.contiguous(), T, D, dys, TOPK=k,
+            SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return dys
 
 
-@triton_combine_backward.register_fake
-def _(dy_TD, w_Tk, yq_AD, ys_AD, inv_A):
-    return dy_TD.new_empty(yq_AD.shape[0], dy_TD.shape[1]), dy_TD.new_empty(w_Tk.shape, dtype=torch.float32)
+@triton_combine_rows_backward.register_fake
+def _(dy_TD, w_Tk, inv_A):
+    return dy_TD.new_empty(w_Tk.shape[0] * w_Tk.shape[1], dy_TD.shape[1])
 
 
 @torch.library.custom_op("mxmoe::sum_token_rows", mutates_args=())
 def triton_sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype,
-                          weights_Tk: Tensor | None = None) -> Tensor:
-    """out[t] = sum over j = 0..k-1 of x[rows[t * k + j]] (times weights[t, j] if given),
-    in float32 in that order, rounded once to ``out_dtype``: the un-permute of a routed
-    gradient, or with weights the combine of expert outputs; a gather (deterministic, no
-    atomics). x (A, D) float32/bfloat16; rows (A,) int64, A = T * k; weights (T, k)
-    float32. Returns (T, D)."""
+                          weights_Tk: Tensor | None = None, round_products: bool = False) -> Tensor:
+    """out[t] = sum over j = 0..k-1 of x[rows[t * k + j]] (times weights[t, j] if given,
+    each product rounded to x's dtype first with ``round_products``), in float32 in that
+    order, rounded once to ``out_dtype``: the un-permute of a routed gradient, or with
+    weights the combine of expert outputs; a gather (deterministic, no atomics). x (A, D)
+    float32/bfloat16; rows (A,) int64, A = T * k; weights (T, k) float32. Returns (T, D)."""
     A, D = x_AD.shape
     _check_tensor(x_AD, "x")
     _check_rows(rows_A, "rows", A)
     if k < 1 or A % k:
         raise ValueError(f"{A} rows are not k = {k} rows per token")
     T = A // k
-    if weights_Tk is not None and (weights_Tk.dtype != torch.float32 or tuple(weights_Tk.shape) != (T, k)):
-        raise ValueError(f"weights must be float32 ({T}, {k}), one per row, got {weights_Tk.dtype} "
-                         f"{tuple(weights_Tk.shape)}")
+    if weights_Tk is not None and (weights_Tk.dtype != torch.float32 or tuple(weights_Tk.shape) != (T, k)
+                                   or weights_Tk.device != x_AD.device):
+        raise ValueError(f"weights must be float32 ({T}, {k}) on x's device {x_AD.device}, one per row, got "
+                         f"{weights_Tk.dtype} {tuple(weights_Tk.shape)} on {weights_Tk.device}")
     out = torch.empty(T, D, dtype=out_dtype, device=x_AD.device)
     if A and D:
         br, bc, w = _tile("sum_rows")
         has_w = weights_Tk is not None
         km._sum_token_rows_kernel[_grid(triton.cdiv(T, br) * triton.cdiv(D, bc), what="sum rows")](
             x_AD.contiguous(), rows_A.contiguous(), T, D, weights_Tk.contiguous() if has_w else x_AD, out, TOPK=k,
-            HAS_W=has_w, SOFT_CASTS=_launch_settings("rows")["soft_casts"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+            HAS_W=has_w, ROUND_PRODUCTS=round_products, SOFT_CASTS=_launch_settings("rows")["soft_casts"],
+            BLOCK_R=br, BLOCK_C=bc, num_warps=w)
     return out
 
 
 @triton_sum_token_rows.register_fake
-def _(x_AD, rows_A, k, out_dtype, weights_Tk=None):
+def _(x_AD, rows_A, k, out_dtype, weights_Tk=None, round_products=False):
+    if weights_Tk is not None and weights_Tk.device != x_AD.device:  # a meta tensor among real ones lands here
+        raise ValueError(f"weights must be float32 on x's device {x_AD.device}, got {weights_Tk.device}")
     if k < 1:
         raise ValueError(f"k = {k}: at least one row per token")
     return x_AD.new_empty(x_AD.shape[0] // k, x_AD.shape[1], dtype=out_dtype)

@@ -28,7 +28,11 @@ projection) or from the bf16 h (dgrad). The same arithmetic in torch is the refe
 tests compare with.
 
 QuACK compiles each GEMM kind on first use and autotunes it over its sm90 configurations
-(``quack.gemm_config``); the compiled kernels are cached on disk (``QUACK_CACHE_DIR``).
+(``quack.gemm_config``); the compiled kernels are cached on disk (``QUACK_CACHE_DIR``). Its
+autotuning key includes the tensors' shapes, so each new token count T tunes again (a
+training run at a fixed batch shape tunes once, in its first steps; evaluation at another
+T, or varying sequence packing, tunes per shape). Tuning runs kernels, so it cannot happen
+inside a CUDA-graph capture: run the shapes eagerly first (the trainer's warm-up steps do).
 Importing this module does not import QuACK; :func:`available` says whether it can.
 """
 
@@ -44,17 +48,27 @@ QUACK_VERSIONS = {"quack-kernels": "0.4.1", "nvidia-cutlass-dsl": "4.4.2"}  # th
 SM90_MAJOR = 9
 
 
+_IMPORT_ERROR: list[str] = []  # why importing QuACK failed, once tried
+
+
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
     """Whether ``quack.gemm_interface`` can be imported (the ``hopper`` extra is installed).
-    Cached: importing QuACK loads the CuTe-DSL runtime once."""
+    Cached: importing QuACK loads the CuTe-DSL runtime once. :func:`import_error` says why not."""
     if importlib.util.find_spec("quack") is None:
         return False
     try:
         import quack.gemm_interface  # noqa: F401
-    except Exception:  # a broken CuTe-DSL install is "not available", not a crash at layer build
+    except Exception as err:  # a broken CuTe-DSL install is "not available", not a crash at layer build
+        _IMPORT_ERROR.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         return False
     return True
+
+
+def import_error() -> str | None:
+    """The import error of a QuACK that is installed but does not import (after
+    :func:`available` returned False), or None."""
+    return _IMPORT_ERROR[-1] if _IMPORT_ERROR else None
 
 
 def _gemm_interface():
@@ -157,8 +171,12 @@ def gathered_weight_grad(a_TC: Tensor, src_A: Tensor, cu_E1: Tensor, b_AN: Tenso
     return out_ECN
 
 
+def on_sm90(x: Tensor) -> bool:
+    """Whether x is on an sm90 (Hopper) GPU."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == SM90_MAJOR
+
+
 def supports(x_TD: Tensor, d_model: int, d_expert: int) -> bool:
     """Whether these GEMMs apply: x on an sm90 GPU, QuACK importable, and D and F multiples
     of 8 (16-byte rows for the TMA loads)."""
-    return (x_TD.is_cuda and torch.cuda.get_device_capability(x_TD.device)[0] == SM90_MAJOR
-            and d_model % 8 == 0 and d_expert % 8 == 0 and available())
+    return on_sm90(x_TD) and d_model % 8 == 0 and d_expert % 8 == 0 and available()

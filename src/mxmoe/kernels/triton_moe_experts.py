@@ -6,15 +6,14 @@
   (the second expert GEMM's operand), and the MXFP8 codes + E8M0 scales of gate and up
   (what the backward keeps instead of bf16), in one read of h.
 - ``_swiglu_bwd_kernel``: from the saved codes of gate and up and d(act): d(gate), d(up)
-  and the recomputed activation (for the second GEMM's weight gradient), in one pass.
-- ``_combine_quantize_kernel``: token unpermute (gather of each token's k expert outputs)
-  with the weighted sum over k, fused with the MXFP8 quantization of those outputs along D
-  (what the combine keeps for the router weights' gradient), in one read of them.
-- ``_combine_backward_kernel``: from d(y) of each token, the saved codes of its k outputs
-  and its combine weights: d(outputs) written back in expert-sorted order (the scatter
-  that undoes the unpermute) and d(weights), in one read of d(y) and the codes.
+  and the recomputed activation (for the second GEMM's weight gradient), in one pass; with
+  ROW_DOT also each row's partial sums of act * d(act) (the router weights' gradient).
+- ``_combine_rows_backward_kernel``: from d(y) of each token and its combine weights,
+  d(outputs) written back in expert-sorted order (the scatter that undoes the unpermute),
+  one read of d(y); the weights' gradient comes from the expert op's backward.
 - ``_sum_token_rows_kernel``: each token's k rows summed in float32 in a fixed order (the
-  expert op's dx, a gather instead of an atomic scatter-add: deterministic).
+  expert op's dx, a gather instead of an atomic scatter-add: deterministic), optionally
+  weighted (the combine of expert outputs).
 
 Element and scale rules are those of :mod:`mxmoe.kernels.triton_quantize` (docs/NUMERICS.md);
 the activation math is float32: silu(g) = g / (1 + exp(-g)).
@@ -107,7 +106,9 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     hq_ptr, hs_ptr, dact_ptr, A, F,  # saved codes (A, 2F), scale bytes (A, 2F / 32); d(act) (A, F)
     dh_ptr, act_ptr,  # outputs: d(gate) | d(up) (A, 2F); recomputed act (A, F)
-    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    dot_ptr,  # with ROW_DOT: (A, cdiv(F, BLOCK_C)) float32 partial sums of act * d(act) over this tile's columns
+    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, ROW_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     rb, cb = _tile_of(tl.program_id(0), F, BLOCK_C)
     rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -131,78 +132,39 @@ def _swiglu_bwd_kernel(
     tl.store(dh_ptr + g_off + F, _from_float32(du, dt, SOFT_CASTS), mask=mask)
     tl.store(act_ptr + rows[:, None] * F + cols[None, :],
              _from_float32(silu * u, act_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
+    if ROW_DOT:
+        n_cb = tl.cdiv(F, BLOCK_C)
+        tl.store(dot_ptr + rows * n_cb + cb, tl.sum(tl.where(mask, silu * u * da, 0.0), axis=1), mask=rows < A)
 
 
 @triton.jit
-def _combine_quantize_kernel(
-    y_ptr, inv_ptr, w_ptr, T, D,  # y (A, D) rows sorted by expert; inv (A,) int64: sorted row of a = t * k + j;
-    out_ptr,  # (T, D): sum_j round(w[t, j] * y[inv[t * k + j]]) in y's dtype (float32 sum, j = 0..k-1)
-    q_ptr, s_ptr,  # (A, D) codes and (A, D / 32) scale bytes of y in (token, choice) order, blocks along D
-    TOPK: tl.constexpr, ELEM: tl.constexpr, MODE: tl.constexpr, HW_ROUND: tl.constexpr,
-    SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _combine_rows_backward_kernel(
+    dy_ptr, w_ptr, inv_ptr, T, D,  # dy (T, D); w (T, k) in dy's dtype; inv (A,) int64: sorted row of a = t * k + j
+    dys_ptr,  # out (A, D), expert-sorted rows: d y_sorted[inv[a]] = round(dy[t] * w[t, j]), a = t * k + j
+    TOPK: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
     tok = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     tok_ok = tok < T
     mask = tok_ok[:, None] & (cols < D)[None, :]
-    scols = cb * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-    s_mask = tok_ok[:, None] & (scols < D // 32)[None, :]
-    dt = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    dt = dys_ptr.dtype.element_ty
+    dy = _to_float32(tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
     for j in tl.static_range(TOPK):
         a = tok * TOPK + j
         row = tl.load(inv_ptr + a, mask=tok_ok, other=0)
-        y = _to_float32(tl.load(y_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
         w = _to_float32(tl.load(w_ptr + a, mask=tok_ok, other=0.0), SOFT_CASTS)
-        acc += _to_float32(_from_float32(y * w[:, None], dt, SOFT_CASTS), SOFT_CASTS)  # the product in y's dtype
-        codes, sbits, _ = _row_blocks_qdq(y, ELEM, MODE, HW_ROUND, BLOCK_R, BLOCK_C)
-        tl.store(q_ptr + a[:, None] * D + cols[None, :], codes, mask=mask)
-        tl.store(s_ptr + a[:, None] * (D // 32) + scols[None, :], sbits, mask=s_mask)
-    tl.store(out_ptr + tok[:, None] * D + cols[None, :], _from_float32(acc, dt, SOFT_CASTS), mask=mask)
-
-
-@triton.jit
-def _combine_backward_kernel(
-    dy_ptr, w_ptr, q_ptr, s_ptr, inv_ptr, T, D,  # dy (T, D); w (T, k) in dy's dtype; codes (A, D), scale bytes
-    dys_ptr,  # out (A, D), expert-sorted rows: d y_sorted[inv[a]] = round(dy[t] * w[t, j]), a = t * k + j
-    dw_ptr,  # out (T, k) float32: round(sum_d round(dy[t, d] * y[a, d])) to dy's dtype, float32 sum over D
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    tok = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    tok_ok = tok < T
-    dt = dys_ptr.dtype.element_ty
-    choice = tl.arange(0, TOPK_P2)
-    dw = tl.zeros((BLOCK_R, TOPK_P2), dtype=tl.float32)
-    for c0 in range(0, D, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = tok_ok[:, None] & (cols < D)[None, :]
-        scols = c0 // 32 + tl.arange(0, BLOCK_C // 32)
-        s_mask = tok_ok[:, None] & (scols < D // 32)[None, :]
-        dy = _to_float32(tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
-        for j in tl.static_range(TOPK):
-            a = tok * TOPK + j
-            row = tl.load(inv_ptr + a, mask=tok_ok, other=0)
-            w = _to_float32(tl.load(w_ptr + a, mask=tok_ok, other=0.0), SOFT_CASTS)
-            tl.store(dys_ptr + row[:, None] * D + cols[None, :], _from_float32(dy * w[:, None], dt, SOFT_CASTS),
-                     mask=mask)
-            y = _decode_blocks(tl.load(q_ptr + a[:, None] * D + cols[None, :], mask=mask, other=0),
-                               tl.load(s_ptr + a[:, None] * (D // 32) + scols[None, :], mask=s_mask, other=127),
-                               ELEM, SOFT_CASTS, BLOCK_R, BLOCK_C)
-            part = tl.sum(_to_float32(_from_float32(dy * y, dt, SOFT_CASTS), SOFT_CASTS), axis=1)
-            dw += tl.where(choice[None, :] == j, part[:, None], 0.0)
-    dw = _to_float32(_from_float32(dw, dt, SOFT_CASTS), SOFT_CASTS)
-    tl.store(dw_ptr + tok[:, None] * TOPK + choice[None, :], dw, mask=tok_ok[:, None] & (choice < TOPK)[None, :])
+        tl.store(dys_ptr + row[:, None] * D + cols[None, :], _from_float32(dy * w[:, None], dt, SOFT_CASTS), mask=mask)
 
 
 @triton.jit
 def _sum_token_rows_kernel(
     x_ptr, rows_ptr, T, D,  # x (A, D); rows (T * k,) int64: the k rows of token t at rows[t * k:(t + 1) * k]
     w_ptr,  # (T, k) float32 weights of the rows (read only with HAS_W)
-    out_ptr,  # (T, D): sum over j of [w[t, j] *] float32(x[rows[t * k + j]]), j = 0..k-1 in order, rounded once
-    TOPK: tl.constexpr, HAS_W: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    out_ptr,  # (T, D): sum over j of [w[t, j] *] float32(x[rows[t * k + j]]) (each product rounded to x's
+    # dtype with ROUND_PRODUCTS), j = 0..k-1 in order, rounded once
+    TOPK: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCTS: tl.constexpr, SOFT_CASTS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rb, cb = _tile_of(tl.program_id(0), D, BLOCK_C)
     tok = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -215,6 +177,8 @@ def _sum_token_rows_kernel(
         v = _to_float32(tl.load(x_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0.0), SOFT_CASTS)
         if HAS_W:
             v = v * tl.load(w_ptr + tok * TOPK + j, mask=tok_ok, other=0.0)[:, None]
+            if ROUND_PRODUCTS:  # each product rounded to x's dtype first, as (y * w) in that dtype
+                v = _to_float32(_from_float32(v, x_ptr.dtype.element_ty, SOFT_CASTS), SOFT_CASTS)
         acc += v
     tl.store(out_ptr + tok[:, None] * D + cols[None, :], _from_float32(acc, out_ptr.dtype.element_ty, SOFT_CASTS),
              mask=mask)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..ops import mx_grouped_mm, mx_linear
 from ..ops.backend import use_gathered_experts, use_native_mx_grouped_mm
-from ..ops.combine import combine_weighted, mx_round_rows
+from ..ops.combine import combine_rows, combine_weighted, mx_round_rows
 from ..ops.moe_experts import mx_moe_experts, supports_fused_experts
 from ..ops.moe_experts_gathered import gathered_moe_experts
 from ..ops.quantize import check_weight_dtype
@@ -248,8 +248,9 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
     an expert), runs the experts on the sorted rows (the fused op
     :func:`~mxmoe.ops.moe_experts.mx_moe_experts` where :func:`runs_fused` holds, else
     :func:`swiglu_grouped_mm` on the gathered rows), undoes the sort and sums each token's
-    k outputs weighted by ``weights_Tk`` (:func:`~mxmoe.ops.combine.combine_weighted`,
-    keeping the per-choice outputs for backward as MXFP8 on the fused path). Where
+    k outputs weighted by ``weights_Tk`` (:func:`~mxmoe.ops.combine.combine_weighted`; on
+    the fused path :func:`~mxmoe.ops.combine.combine_rows`, which keeps nothing of the
+    outputs: the fused op returns the weights' gradient). Where
     :func:`~mxmoe.ops.backend.use_gathered_experts` holds (the bf16 recipe on QuACK, opt-in)
     experts and combine are one op instead
     (:func:`~mxmoe.ops.moe_experts_gathered.gathered_moe_experts`).
@@ -280,16 +281,16 @@ def routed_experts(x_TD: Tensor, experts_Tk: Tensor, weights_Tk: Tensor, w13_E2F
     x_in_TD = mx_round_rows(x_TD, recipe) if mx_dispatch else x_TD
     ran_fused = runs_fused(fused, recipe, x_TD)
     if ran_fused:
-        # the gather happens inside the op, fused with quantization
-        y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, w13_E2FD, w2_EDF, recipe)
-    else:
-        x_AD = x_in_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
-        x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
-        y_sorted_AD = swiglu_grouped_mm(x_sorted_AD, w13_E2FD, w2_EDF, offsets_E, recipe)
-    # combine: undo the permutation, weight each choice, sum over k (the fused MXFP8 path
-    # keeps the per-choice outputs for backward as MXFP8)
-    y_TD = combine_weighted(y_sorted_AD, order_A, weights_Tk, recipe if ran_fused else None)
-    return y_TD, counts_E, "fused" if ran_fused else "composed"
+        # the gather happens inside the op, fused with quantization; the op also gives the
+        # combine weights' gradient, so the combine keeps nothing of the outputs
+        weights_A = weights_Tk.reshape(-1).index_select(0, order_A)
+        y_sorted_AD = mx_moe_experts(x_in_TD, order_A // k, offsets_E, w13_E2FD, w2_EDF, recipe, weights_A=weights_A)
+        return combine_rows(y_sorted_AD, order_A, weights_Tk, recipe), counts_E, "fused"
+    x_AD = x_in_TD.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
+    x_sorted_AD = x_AD.index_select(0, order_A)  # gather; backward scatters a permutation
+    y_sorted_AD = swiglu_grouped_mm(x_sorted_AD, w13_E2FD, w2_EDF, offsets_E, recipe)
+    # combine: undo the permutation, weight each choice, sum over k
+    return combine_weighted(y_sorted_AD, order_A, weights_Tk), counts_E, "composed"
 
 
 @dataclass

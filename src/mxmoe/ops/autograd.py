@@ -2,7 +2,7 @@
 
 The backward of an MXFP8 op (:func:`~mxmoe.ops.linear.mx_linear`,
 :func:`~mxmoe.ops.grouped_mm.mx_grouped_mm`, :func:`~mxmoe.ops.moe_experts.mx_moe_experts`,
-the MXFP8-saving combine) runs its GEMMs on quantized copies of its operands, computed by
+the fused path's combine) runs its GEMMs on quantized copies of its operands, computed by
 quantizers that have no useful derivative. Differentiating that backward again (a
 gradient penalty, a Hessian-vector product: ``torch.autograd.grad(..., create_graph=True)``
 and a second backward through the result) would give silently wrong second-order

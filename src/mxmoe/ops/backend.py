@@ -24,7 +24,7 @@ bf16 rounding; only speed and memory differ):
       ``torch._grouped_mm`` where the device and dtype support it, a loop over experts
       elsewhere (:mod:`mxmoe.ops.gemm`). The product of two dequantized MXFP8 values is
       exact in float32, so this computes what a block-scaled MXFP8 GEMM computes.
-3. The fused MXFP8 expert op (``mx_moe_experts``) and the MXFP8-saving combine run their
+3. The fused MXFP8 expert op (``mx_moe_experts``) and its combine (``combine_rows``) run their
    Triton kernels where rule 1 picks Triton, pure torch otherwise; the MoE layer uses the
    fused op for bf16 activations unless rule 2a applies (:func:`mxmoe.nn.moe.runs_fused`).
 4. The bf16 recipe's MoE experts (:func:`use_gathered_experts`): QuACK's gathered grouped
@@ -107,23 +107,30 @@ def use_triton_for(x: Tensor, recipe: Recipe, dtype: torch.dtype | None = None) 
 
 
 def expert_engine() -> str:
-    """The value of ``MXMOE_EXPERT_ENGINE`` ("default" when unset or empty).
+    """The value of ``MXMOE_EXPERT_ENGINE`` ("default" when unset or blank; case and
+    surrounding spaces ignored).
 
     Raises:
-        ValueError: a value outside :data:`EXPERT_ENGINES`, or "quack" where QuACK cannot
-            be imported (the message names the extra to install).
+        ValueError: a value outside :data:`EXPERT_ENGINES` (the message quotes it).
     """
-    value = os.environ.get("MXMOE_EXPERT_ENGINE", "").strip().lower() or "default"
+    raw = os.environ.get("MXMOE_EXPERT_ENGINE", "")
+    value = raw.strip().lower() or "default"
     if value not in EXPERT_ENGINES:
-        raise ValueError(f"MXMOE_EXPERT_ENGINE={value!r}; use one of {EXPERT_ENGINES} (or leave it unset)")
-    if value == "quack":
-        from ..kernels import quack_moe
-
-        if not quack_moe.available():
-            raise ValueError('MXMOE_EXPERT_ENGINE=quack needs QuACK: pip install "mxmoe[hopper]" (quack-kernels '
-                             f'{quack_moe.QUACK_VERSIONS["quack-kernels"]}, nvidia-cutlass-dsl '
-                             f'{quack_moe.QUACK_VERSIONS["nvidia-cutlass-dsl"]}), or unset it')
+        raise ValueError(f"MXMOE_EXPERT_ENGINE={raw!r}; use one of {EXPERT_ENGINES} (or leave it unset)")
     return value
+
+
+def _check_quack() -> None:
+    """ValueError naming the extra to install (or the import error of a broken install)
+    when QuACK cannot be imported."""
+    from ..kernels import quack_moe
+
+    if not quack_moe.available():
+        why = quack_moe.import_error()
+        raise ValueError('MXMOE_EXPERT_ENGINE=quack needs QuACK: pip install "mxmoe[hopper]" (quack-kernels '
+                         f'{quack_moe.QUACK_VERSIONS["quack-kernels"]}, nvidia-cutlass-dsl '
+                         f'{quack_moe.QUACK_VERSIONS["nvidia-cutlass-dsl"]}), or unset it'
+                         + (f"; importing it failed: {why}" if why else ""))
 
 
 def use_gathered_experts(x: Tensor, recipe: Recipe, d_model: int, d_expert: int) -> bool:
@@ -131,14 +138,20 @@ def use_gathered_experts(x: Tensor, recipe: Recipe, d_model: int, d_expert: int)
     :func:`mxmoe.ops.moe_experts_gathered.gathered_moe_experts` (QuACK's gathered grouped
     GEMMs): ``MXMOE_EXPERT_ENGINE=quack`` (:func:`expert_engine`), a non-quantizing recipe,
     bf16 activations, an sm90 GPU, D and F multiples of 8 (:func:`mxmoe.kernels.quack_moe.supports`).
+    Elsewhere (the CPU, other GPUs, MX recipes, other dtypes) the setting is ignored.
 
     Raises:
-        ValueError: from :func:`expert_engine`.
+        ValueError: a bad setting (:func:`expert_engine`), or "quack" where the path would
+            apply but QuACK cannot be imported (the message names the extra, and the
+            import error of a broken install).
     """
     if expert_engine() != "quack" or recipe.quantize or x.dtype != torch.bfloat16:
         return False
     from ..kernels import quack_moe
 
+    if not quack_moe.on_sm90(x):
+        return False
+    _check_quack()
     return quack_moe.supports(x, d_model, d_expert)
 
 

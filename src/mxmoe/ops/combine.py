@@ -1,6 +1,6 @@
-"""The MoE layer's autograd ops around the experts: the weighted combine (optionally
-keeping the per-choice outputs for backward as MXFP8) and the MXFP8 rounding of dispatched
-rows with a straight-through gradient.
+"""The MoE layer's autograd ops around the experts: the weighted combine (plain, or with the
+weights' gradient left to the fused expert op so that nothing of the expert outputs is
+kept) and the MXFP8 rounding of dispatched rows with a straight-through gradient.
 
 Legend of shape suffixes: T tokens, D model width, E experts, k top-k, A = T * k routed
 assignments.
@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics.mx_tensor import MXTensor
 from ..recipe import Recipe
 from .autograd import no_double_backward
 from .backend import use_triton_for
-from .quantize import dequantize_mx, fake_quantize_operand, quantize_mx
+from .quantize import fake_quantize_operand
 
 
 class _MXRoundRows(torch.autograd.Function):
@@ -60,7 +59,7 @@ def mx_round_rows(x_TD: Tensor, recipe: Recipe) -> Tensor:
 
 def _combine(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(y_AD in (token, choice) order, weights in y's dtype (T, k), y_TD): the combine's
-    arithmetic, shared by the plain and the MXFP8-saving paths."""
+    arithmetic, shared by the plain and the fused paths."""
     T, k = weights_Tk.shape
     D = y_sorted_AD.shape[1]
     y_AD = torch.zeros_like(y_sorted_AD).index_copy(0, order_A, y_sorted_AD)
@@ -75,101 +74,106 @@ def inverse_permutation(order_A: Tensor) -> Tensor:
     return torch.zeros_like(order_A).scatter_(0, order_A, torch.arange(order_A.numel(), device=order_A.device))
 
 
-class _CombineFP8(torch.autograd.Function):
-    """The weighted combine with the per-choice outputs kept for backward as MXFP8.
+class _CombineRows(torch.autograd.Function):
+    """The weighted combine with the weights taken as constants, keeping nothing of y.
 
-    Forward (the composed path's arithmetic): y_AD = rows of y_sorted back in (token,
-    choice) order; y_TD[t] = sum_j w[t, j] * y_AD[t * k + j] in y's dtype. The backward
-    needs y_AD only for the gradient of the combine weights (the router's gradient through
-    them); it reads y_AD quantized to MXFP8 along D (the recipe's FP8 element format and
-    scale rule, E8M0 scales) instead of a bf16 copy: D + D / 32 bytes per row against 2 D.
+    Forward (the composed path's arithmetic, :func:`_combine`): y_TD[t] = sum_j w[t, j] *
+    y[row of (t, j)], each product rounded to y's dtype, float32 sum in choice order on the
+    Triton path. Backward: only the rows' gradient, row of (t, j) = dy[t] * w[t, j] in y's
+    dtype. The weights' gradient (y . dy for each choice) comes from the fused expert op,
+    which gets the weights of its rows (:func:`mxmoe.ops.moe_experts.mx_moe_experts`,
+    ``weights_A``) and takes y . dy = act . (dy w2) from its own backward, as SonicMoE does:
+    so the combine keeps no copy of the A x D expert outputs for backward.
 
-    Where :func:`_combine_triton` holds (bf16 y on the Triton backend, the fused MoE
-    layer on CUDA) each direction is one kernel (:mod:`mxmoe.kernels.moe_experts`): forward
-    gathers, weights, sums and quantizes in one read of y; backward writes d(y) in sorted
-    order and d(w) in one read of dy and the codes. Bit for bit the torch path, except
-    the float32 sums: over k in choice order (torch on CUDA sums k > 2 terms in another
-    order) and, for d(w), over D in column blocks; both are then rounded to bf16. The
-    results differ from the torch path by one bf16 ulp in rare elements, more only where
-    a sum cancels (bound: n 2^-24 sum |terms| for n terms, before the rounding).
+    Where :func:`_combine_triton` holds (bf16 y on the Triton backend, D a multiple of 32)
+    each direction is one kernel (:mod:`mxmoe.kernels.moe_experts`), bit for bit the torch
+    path except the float32 sum over k for k > 2 (torch on CUDA may add in another order).
     """
 
     @staticmethod
     def forward(ctx, y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, recipe: Recipe) -> Tensor:
-        D = y_sorted_AD.shape[1]
         fused = _combine_triton(y_sorted_AD, recipe)
-        if fused:  # one kernel: gather, weight, sum over k, quantize y
-            from ..kernels.moe_experts import triton_combine_quantize
+        w_Tk = weights_Tk.to(y_sorted_AD.dtype)
+        if fused:
+            from ..kernels.moe_experts import triton_sum_token_rows
 
             A = order_A.numel()
             if order_A.device.type != "cuda" and A and not bool((torch.bincount(order_A, minlength=A) == 1).all()):
                 raise ValueError("order_A must be a permutation of range(A)")  # on CUDA: a host sync, not checked
             inv_A = inverse_permutation(order_A)
-            w_Tk = weights_Tk.to(y_sorted_AD.dtype)
-            y_TD, q, s = triton_combine_quantize(y_sorted_AD, inv_A, w_Tk, recipe.fmt, recipe.scale_mode)
-            ctx.save_for_backward(q, s, inv_A, w_Tk)
+            y_TD = triton_sum_token_rows(y_sorted_AD, inv_A, w_Tk.shape[1], y_sorted_AD.dtype, w_Tk.float(),
+                                         round_products=True)
+            ctx.save_for_backward(inv_A, w_Tk)
         else:
-            y_AD, w_Tk, y_TD = _combine(y_sorted_AD, order_A, weights_Tk)
-            mx = quantize_mx(y_AD, recipe.fmt, block_size=recipe.block_size, dim=1, scale_mode=recipe.scale_mode,
-                             pad=True, backend=recipe.backend)
-            ctx.save_for_backward(mx.qdata, mx.scale, order_A, w_Tk)
-        ctx.meta = (recipe, D, weights_Tk.dtype, fused)
+            y_TD = _combine(y_sorted_AD, order_A, w_Tk)[2]
+            ctx.save_for_backward(order_A, w_Tk)
+        ctx.fused = fused
         return y_TD
 
     @staticmethod
-    @no_double_backward("the MXFP8-saving MoE combine", "combine without MXFP8 saving (combine_weighted with "
-                        "fp8_recipe=None: plain autograd, differentiable twice)")
+    @no_double_backward("the fused MoE combine", "combine_weighted (plain autograd, differentiable twice)")
     def backward(ctx, dy_TD: Tensor):
-        q, s, order_A, w_Tk = ctx.saved_tensors
-        recipe, D, w_dtype, fused = ctx.meta
+        rows_A, w_Tk = ctx.saved_tensors
         T, k = w_Tk.shape
         dy_TD = dy_TD.to(w_Tk.dtype)
-        if fused:  # order_A holds the inverse permutation here
-            from ..kernels.moe_experts import triton_combine_backward
+        if ctx.fused:  # rows_A holds the inverse permutation here
+            from ..kernels.moe_experts import triton_combine_rows_backward
 
-            d_y_sorted, d_w = triton_combine_backward(dy_TD, w_Tk, q, s, order_A)
-            return d_y_sorted, None, d_w.to(w_dtype), None
-        d_y_AD = (dy_TD.unsqueeze(1) * w_Tk.unsqueeze(-1)).reshape(T * k, D)
-        mx = MXTensor(q, s, recipe.fmt, recipe.block_size, 1, recipe.scale_mode, D)
-        y_AD = dequantize_mx(mx, w_Tk.dtype, backend=recipe.backend)
-        d_w = (dy_TD.unsqueeze(1) * y_AD.view(T, k, D)).sum(dim=-1).to(w_dtype)
-        return d_y_AD.index_select(0, order_A), None, d_w, None
+            return triton_combine_rows_backward(dy_TD, w_Tk, rows_A), None, None, None
+        d_y_AD = (dy_TD.unsqueeze(1) * w_Tk.unsqueeze(-1)).reshape(T * k, dy_TD.shape[1])
+        return d_y_AD.index_select(0, rows_A), None, None, None
 
 
 def _combine_triton(y_sorted_AD: Tensor, recipe: Recipe) -> bool:
-    """Whether the MXFP8-saving combine runs as the fused Triton kernels
-    (:func:`mxmoe.kernels.moe_experts.triton_combine_quantize`): the recipe's backend resolves to
-    Triton for y, y is bf16 (the kernels' products are rounded to bf16; see
-    ``_check_bf16`` there) and D is a multiple of the block size (no padding to write)."""
+    """Whether the fused combine runs as the Triton kernels (:mod:`mxmoe.kernels.moe_experts`):
+    the recipe's backend resolves to Triton for y, y is bf16 (the kernels round each product
+    to bf16; see ``_check_bf16`` there) and D is a multiple of the block size."""
     return (y_sorted_AD.dtype == torch.bfloat16 and y_sorted_AD.shape[1] % recipe.block_size == 0
             and use_triton_for(y_sorted_AD, recipe))
 
 
 # eager under torch.compile (the note at mxmoe.ops.grouped_mm._apply); the plain combine compiles
-_combine_fp8_eager = torch.compiler.disable(_CombineFP8.apply)
+_combine_rows_eager = torch.compiler.disable(_CombineRows.apply)
 
 
-def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, fp8_recipe: Recipe | None = None
-                     ) -> Tensor:
+def combine_weighted(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor) -> Tensor:
     """y_TD[t] = sum_j weights[t, j] * y[row of (t, j)]: undo the expert sort (``order_A``
     lists, for each sorted row, its assignment t * k + j), weight each choice, sum over k.
+    Plain autograd (differentiable twice; keeps y for the weights' gradient).
 
     Args:
         y_sorted_AD: (A, D) expert outputs in sorted order; order_A: (A,) int64;
-        weights_Tk: (T, k) float32 combine weights. fp8_recipe: keep the per-choice outputs
-            for backward as MXFP8 under this recipe (:class:`_CombineFP8`); None keeps them
-            in y's dtype (plain autograd).
+        weights_Tk: (T, k) float32 combine weights.
 
     Returns:
         (T, D) in y's dtype. Deterministic: a permutation, then a fixed-order sum over k.
 
     Raises:
-        TypeError: order_A not int64. ValueError: with an MXFP8 recipe on the fused
-            kernels' path off CUDA, order_A not a permutation (on CUDA unchecked: a host
-            sync; the layer passes an argsort).
+        TypeError: order_A not int64.
     """
     if order_A.dtype != torch.int64:
         raise TypeError(f"order_A must be int64 (a permutation of range(A)), got {order_A.dtype}")
-    if fp8_recipe is not None:
-        return _combine_fp8_eager(y_sorted_AD, order_A, weights_Tk, fp8_recipe)
     return _combine(y_sorted_AD, order_A, weights_Tk)[2]
+
+
+def combine_rows(y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, recipe: Recipe) -> Tensor:
+    """The combine of the fused MXFP8 path (:class:`_CombineRows`): the value of
+    :func:`combine_weighted`, no gradient for ``weights_Tk`` (pass the weights to
+    :func:`~mxmoe.ops.moe_experts.mx_moe_experts` as ``weights_A``, which returns it), and
+    nothing of y kept for backward.
+
+    Args:
+        y_sorted_AD: (A, D) expert outputs in sorted order; order_A: (A,) int64
+            permutation; weights_Tk: (T, k) combine weights (used as constants).
+        recipe: picks the Triton kernels or torch (:func:`_combine_triton`).
+
+    Returns:
+        (T, D) in y's dtype.
+
+    Raises:
+        TypeError: order_A not int64. ValueError: off CUDA on the Triton path, order_A not
+            a permutation (on CUDA unchecked: a host sync; the layer passes an argsort).
+    """
+    if order_A.dtype != torch.int64:
+        raise TypeError(f"order_A must be int64 (a permutation of range(A)), got {order_A.dtype}")
+    return _combine_rows_eager(y_sorted_AD, order_A, weights_Tk.detach(), recipe)

@@ -22,6 +22,10 @@ Backward (dy_AD):
     dw13_E2FD = Q_tok(dh)^T Q_tok(x[src_A])                               (wgrad; x gathered and quantized
                                                                            along each expert's tokens here)
     dx_TD = sum over each token's k rows of dx_AD                         (deterministic, no atomics)
+    with weights_A (the combine weight w_a of each row): d(w_a) = act'_a . d_act_a / w_a
+                                                                          (= y_a . dy_t: the combine's
+                                                                           weight gradient, from the
+                                                                           SwiGLU backward's pass)
 
 Saved activations: x itself (T rows, the tensor the caller passed; the router's GEMM keeps
 it too) and h as FP8 + E8M0 along F (2F bytes per routed row + 1/32), against the bf16
@@ -32,7 +36,8 @@ token over 2 (4x x's size at top-8). Following DeepSeek-V3 (arXiv 2412.19437, se
 inputs cached in FP8, the output recomputed in the backward), the backward of SwiGLU and
 the weight gradient of w2 use the dequantized saved h: this differs from the composed
 path (:class:`~mxmoe.nn.moe.SwiGLUExperts` without fusion) only in the backward, by the MXFP8
-rounding of h.
+rounding of h and, with weights_A, by the combine weights' gradient taken from the
+backward's MXFP8 GEMM output (act' . d_act / w) instead of from y.
 
 Every step has a pure-torch reference (CPU and any device) and a Triton path (CUDA, or
 TRITON_INTERPRET=1) selected by the recipe's backend; the element and scale rules are
@@ -108,13 +113,17 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
     return act, mx.qdata.reshape(A, F2), mx.scale.reshape(A, F2 // BLOCK)
 
 
-def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor]:
+def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe, row_dot: bool = False
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
     """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
-    recomputed act (A, F), both bf16, float32 math on the dequantized gate and up."""
+    recomputed act (A, F), both bf16, float32 math on the dequantized gate and up; with
+    ``row_dot`` also (A,) float32 sum over F of act * d(act) (act before its bf16 rounding),
+    else None."""
     if use_triton_for(dact_AF, recipe):
         from ..kernels.moe_experts import triton_swiglu_backward
 
-        return triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE)
+        dh, act, dot = triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE, row_dot)
+        return dh, act, dot if row_dot else None
     A, F = dact_AF.shape
     mx = MXTensor(qdata=hq.reshape(A, 2, F), scale=hs.reshape(A, 2, F // BLOCK), fmt=ElemFormat.parse(recipe.fmt),
                   block_size=BLOCK, dim=2, scale_mode=recipe.scale_mode, orig_size=F)
@@ -125,7 +134,8 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe) -> 
     da = dact_AF.float()
     dg = da * u * (s * (1.0 + g * (1.0 - s)))
     du = da * silu
-    return torch.cat([dg, du], dim=1).to(GEMM_DTYPE), (silu * u).to(GEMM_DTYPE)
+    act = silu * u
+    return torch.cat([dg, du], dim=1).to(GEMM_DTYPE), act.to(GEMM_DTYPE), (act * da).sum(dim=1) if row_dot else None
 
 
 def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype, recipe: Recipe) -> Tensor:
@@ -166,7 +176,7 @@ def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
 class _MXExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor,
-                recipe: Recipe) -> Tensor:
+                weights_A: Tensor | None, recipe: Recipe) -> Tensor:
         xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
         need_dx = ctx.needs_input_grad[0]  # the dgrad copies are made here only inside weight_copy_cache()
         w13q, ctx.w13q_dgrad = weight_operands(w13_E2FD, recipe, GEMM_DTYPE, dgrad=need_dx)  # along D
@@ -176,14 +186,14 @@ class _MXExpertsFunction(torch.autograd.Function):
         del h_A2F
         w2q, ctx.w2q_dgrad = weight_operands(w2_EDF, recipe, GEMM_DTYPE, dgrad=any(ctx.needs_input_grad))  # F
         y_AD = grouped_mm_nt(act_AF, w2q, offsets_E, all_rows=True)  # (A, F) x (E, D, F) -> (A, D)
-        ctx.save_for_backward(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs)
+        ctx.save_for_backward(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs, weights_A)
         ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
     @no_double_backward("mx_moe_experts", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_AD: Tensor):
-        x_TD, w13, w2, src_A, offsets_E, hq, hs = ctx.saved_tensors
+        x_TD, w13, w2, src_A, offsets_E, hq, hs, weights_A = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
         # w2: dgrad along D, wgrad along tokens
@@ -191,8 +201,13 @@ class _MXExpertsFunction(torch.autograd.Function):
         w2q = dgrad_operand(w2, recipe, GEMM_DTYPE, ctx.w2q_dgrad)  # (E, D, F) along D
         dact_AF = grouped_mm_nn(dyq, w2q, offsets_E, all_rows=True)  # (A, D) x (E, D, F) -> (A, F)
         del dyq, w2q
-        dh_A2F, act_AF = swiglu_backward(hq, hs, dact_AF, recipe)
+        with_w = weights_A is not None and ctx.needs_input_grad[5]
+        dh_A2F, act_AF, dot_A = swiglu_backward(hq, hs, dact_AF, recipe, row_dot=with_w)
         del dact_AF
+        d_weights = None
+        if with_w:  # act . (w dy w2) / w = y . dy, the weight's gradient; 0 where w rounds to 0
+            w_bf = weights_A.to(dy_AD.dtype).float()
+            d_weights = torch.where(w_bf != 0, dot_A / torch.where(w_bf != 0, w_bf, 1.0), 0.0).to(weights_A.dtype)
         dy_t, act_t, po = fake_quantize_grouped_tokens_pair(dy_AD, act_AF, offsets_E, recipe,
                                                             out_dtype=GEMM_DTYPE)  # (D, Ap), (F, Ap)
         dw2 = grouped_mm_tn(dy_t, act_t, po, nonempty_groups=True)  # (E, D, F); padded layout: empty experts give 0
@@ -215,7 +230,7 @@ class _MXExpertsFunction(torch.autograd.Function):
         order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
         dx_TD = sum_token_rows(dx_AD, order, k, ctx.x_dtype, recipe)
         return (dx_TD, widen_weight_grad(dw13, w13.dtype, recipe), widen_weight_grad(dw2, w2.dtype, recipe), None,
-                None, None)
+                None, d_weights, None)
 
 
 def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
@@ -226,7 +241,7 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
 
 @torch.compiler.disable
 def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe,
-           unrouted_tail: bool = False) -> Tensor:
+           unrouted_tail: bool = False, weights_A: Tensor | None = None) -> Tensor:
     """The routing preconditions on the CPU (free there; on CUDA reading them back would
     sync), then the op. Eager under torch.compile (the note at
     ``mxmoe.ops.grouped_mm._apply``), so the checks hold there too."""
@@ -240,11 +255,11 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
             raise ValueError(f"src_A holds token index {low if low < 0 else high}; token indices are 0 .. T - 1 = {T - 1}")
         if not bool((torch.bincount(src_A, minlength=T) == k).all()):
             raise ValueError(f"every token must appear exactly k = {k} times in src_A")
-    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe)
+    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, weights_A, recipe)
 
 
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
-                   recipe: Recipe | str, unrouted_tail: bool = False) -> Tensor:
+                   recipe: Recipe | str, unrouted_tail: bool = False, weights_A: Tensor | None = None) -> Tensor:
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
 
     Args:
@@ -260,6 +275,16 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
             (the padding of a fixed-size expert-parallel receive buffer). Their outputs and
             their input gradients are unspecified (not computed, not zeroed): the caller
             must not read them. No GEMM or wgrad quantizer reads them.
+        weights_A: (A,) float32 combine weight of each sorted row, when the caller sums
+            the rows weighted by them and their gradient should come from this op
+            (:func:`~mxmoe.ops.combine.combine_rows`, which keeps nothing of the outputs
+            for it). The backward then returns d(weights_A)[a] = act_a . d(act)_a / w_a,
+            which is y_a . dy_t (y_a = act_a w2_e^T, d(y_a) = w_a dy_t) with the MXFP8
+            operands of the backward's GEMMs: the w2 dgrad's output d(act) and act
+            recomputed from h's MXFP8 copy, float32 sums (SonicMoE, arXiv 2512.14080,
+            takes the router-score gradient from its dgrad epilogue the same way). Where
+            w_a is 0 in bf16 the gradient is 0. The incoming gradient of the rows must be
+            w_a dy_t, as from combine_rows.
 
     Returns:
         (A, D) in x's dtype: expert outputs of the sorted rows.
@@ -313,4 +338,11 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
         raise ValueError(f"x, src_A, offsets, w13 and w2 must be on one device, got x on {x_TD.device}, src_A on "
                          f"{src_A.device}, offsets on {offsets_E.device}, w13 on {w13_E2FD.device}, w2 on "
                          f"{w2_EDF.device}")
-    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe, unrouted_tail)
+    if weights_A is not None:
+        check_tensor_args("mx_moe_experts", weights_A=weights_A)
+        if tuple(weights_A.shape) != (src_A.numel(),) or not weights_A.dtype.is_floating_point:
+            raise ValueError(f"weights_A must be a float tensor of shape (A,) = ({src_A.numel()},), one weight per "
+                             f"routed row, got {weights_A.dtype} {tuple(weights_A.shape)}")
+        if weights_A.device != x_TD.device:
+            raise ValueError(f"weights_A is on {weights_A.device}, x on {x_TD.device}: put them on one device")
+    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe, unrouted_tail, weights_A)

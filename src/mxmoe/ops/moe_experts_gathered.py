@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import quack_moe
-from ..recipe import Recipe
+from ..recipe import Recipe, get_recipe
 from .args import check_tensor_args
 from .autograd import no_double_backward
 from .backend import widen_weight_grad
@@ -51,7 +51,9 @@ def weighted_sum_token_rows(y_AD: Tensor, rows_A: Tensor, scores_Tk: Tensor) -> 
         from ..kernels.moe_experts import triton_sum_token_rows
 
         return triton_sum_token_rows(y_AD, rows_A, k, GEMM_DTYPE, scores_Tk.float().contiguous())
-    y = y_AD.index_select(0, rows_A).view(T, k, -1).float()
+    y = y_AD.index_select(0, rows_A).view(T, k, y_AD.shape[1]).float()
+    if k == 0:
+        return y.new_zeros(T, y_AD.shape[1], dtype=GEMM_DTYPE)
     acc = y[:, 0] * scores_Tk[:, :1].float()
     for j in range(1, k):  # choice order, as the kernel
         acc = acc + y[:, j] * scores_Tk[:, j:j + 1].float()
@@ -65,7 +67,7 @@ def sum_token_rows_bf16(x_AD: Tensor, rows_A: Tensor, k: int) -> Tensor:
 
         return triton_sum_token_rows(x_AD, rows_A, k, GEMM_DTYPE)
     T = x_AD.shape[0] // k
-    return x_AD.index_select(0, rows_A).view(T, k, -1).float().sum(dim=1).to(GEMM_DTYPE)
+    return x_AD.index_select(0, rows_A).view(T, k, x_AD.shape[1]).float().sum(dim=1).to(GEMM_DTYPE)
 
 
 class _GatheredExpertsFunction(torch.autograd.Function):
@@ -110,7 +112,7 @@ class _GatheredExpertsFunction(torch.autograd.Function):
 
 
 def gathered_moe_experts(x_TD: Tensor, scores_Tk: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, order_A: Tensor,
-                         offsets_E: Tensor, recipe: Recipe) -> Tensor:
+                         offsets_E: Tensor, recipe: Recipe | str) -> Tensor:
     """SwiGLU experts and weighted combine in bf16 on QuACK's gathered grouped GEMMs
     (module docstring): out[t] = sum_j scores[t, j] * expert_{e(t, j)}(x[t]).
 
@@ -121,14 +123,15 @@ def gathered_moe_experts(x_TD: Tensor, scores_Tk: Tensor, w13_E2FD: Tensor, w2_E
             bf16 once per call, gradients returned in the parameter's dtype).
         order_A: (A,) int64 assignment t * k + j of each row sorted by expert (a stable
             argsort of the experts). offsets_E: (E,) int32 cumulative end row of each expert.
-        recipe: a non-quantizing recipe (``bf16``); decides the widening of the weight
-            gradients (:func:`~mxmoe.ops.backend.widen_weight_grad`).
+        recipe: a non-quantizing recipe (``bf16``) or its name; decides the widening of
+            the weight gradients (:func:`~mxmoe.ops.backend.widen_weight_grad`).
 
     Returns:
         (T, D) in x's dtype.
 
     Raises:
-        TypeError: an argument is not a tensor; order not int64 or offsets not int32.
+        TypeError: an argument is not a tensor; order not int64 or offsets not int32;
+            weights or scores not bfloat16/float32.
         ValueError: a quantizing recipe; x not bf16; shapes that do not fit together
             (x (T, D), scores (T, k), w13 (E, 2F, D), w2 (E, D, F), order (T * k,),
             offsets (E,)); or the GEMMs do not apply here
@@ -139,14 +142,18 @@ def gathered_moe_experts(x_TD: Tensor, scores_Tk: Tensor, w13_E2FD: Tensor, w2_E
     """
     check_tensor_args("gathered_moe_experts", x_TD=x_TD, scores_Tk=scores_Tk, w13_E2FD=w13_E2FD, w2_EDF=w2_EDF,
                       order_A=order_A, offsets_E=offsets_E)
+    recipe = get_recipe(recipe)
     if recipe.quantize:
         raise ValueError(f"gathered_moe_experts runs the bf16 recipe, got {recipe.name!r}")
     if x_TD.dtype != torch.bfloat16 or x_TD.dim() != 2:
         raise ValueError(f"gathered_moe_experts takes (T, D) bfloat16 activations, got {x_TD.dtype} "
                          f"{tuple(x_TD.shape)}")
     T, D = x_TD.shape
-    if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2 or w13_E2FD.shape[2] != D:
-        raise ValueError(f"w13 must be (E, 2F, D={D}), got {tuple(w13_E2FD.shape)}")
+    if w13_E2FD.dim() != 3 or w13_E2FD.shape[1] % 2 or w13_E2FD.shape[2] != D or not w13_E2FD.shape[0]:
+        raise ValueError(f"w13 must be (E >= 1, 2F, D={D}), got {tuple(w13_E2FD.shape)}")
+    for name, t in (("w13", w13_E2FD), ("w2", w2_EDF), ("scores", scores_Tk)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"{name} must be bfloat16 or float32, got {t.dtype}")
     E, F = w13_E2FD.shape[0], w13_E2FD.shape[1] // 2
     if tuple(w2_EDF.shape) != (E, D, F):
         raise ValueError(f"w2 must be (E, D, F) = ({E}, {D}, {F}) to match w13, got {tuple(w2_EDF.shape)}")
