@@ -84,11 +84,18 @@ def test_swiglu_backward_triton_matches_reference():
     h = spread(70, 128, 3).to(torch.bfloat16).to(DEV)
     _, hq, hs = me.swiglu_quantize(h, TRI)
     dact = spread(70, 64, 4).to(torch.bfloat16).to(DEV)
-    dh, act, dot = me.swiglu_backward(hq, hs, dact, TRI, row_dot=True)
-    rdh, ract, rdot = me.swiglu_backward(hq.cpu(), hs.cpu(), dact.cpu(), REF, row_dot=True)
+    dh, act, dot, dhq = me.swiglu_backward(hq, hs, dact, TRI, row_dot=True)
+    rdh, ract, rdot, rdhq = me.swiglu_backward(hq.cpu(), hs.cpu(), dact.cpu(), REF, row_dot=True)
     for a, b in ((dh, rdh), (act, ract)):  # bf16 outputs of float32 math: one bf16 step apart at most
         a, b = a.cpu().float(), b.float()
         assert ((a - b).abs() <= 2**-7 * b.abs() + 1e-30).all()
+    # dh's dgrad operand, quantized in the same pass: bit for bit the quantizer on the dh returned
+    for mode in ("rceil", "floor"):
+        rec = get_recipe(TRI, scale_mode=mode)
+        dh_m, _, _, dhq_m = me.swiglu_backward(hq, hs, dact, rec)
+        want = me.fake_quantize_operand(dh_m.cpu(), get_recipe(REF, scale_mode=mode), dim=1,
+                                        out_dtype=torch.bfloat16)
+        assert _same(dhq_m.cpu(), want), mode
     # each row's act . d(act) (the combine weight's gradient): float32 sums in another order
     # and exp's last bits: within 1e-5 of the sum of |terms|
     terms = (ract.float() * dact.cpu().float()).abs().sum(1)

@@ -159,12 +159,15 @@ def _(h_A2F, fmt, mode, act_dtype):
 
 
 @torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
-def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype, row_dot: bool = False
-                           ) -> tuple[Tensor, Tensor, Tensor]:
+def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: torch.dtype, row_dot: bool = False,
+                           dh_mode: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """d(gate) | d(up) (A, 2F) and the recomputed act = silu(gate) * up (A, F), both in
     ``out_dtype``, from the saved codes/scales of h and d(act) (A, F); with ``row_dot`` also
     (A,) float32 sum over F of act * d(act) (act in float32, before its rounding; summed in
-    column tiles, then the tiles in order), else an empty tensor."""
+    column tiles, then the tiles in order), else an empty tensor; with ``dh_mode`` (the
+    scale rule, "floor" / "rceil"; the element format is the codes') also dh quantized to
+    MXFP8 along 2F and dequantized to ``out_dtype`` (bit-equal to quantizing the returned
+    dh), else an empty tensor."""
     A, F = dact_AF.shape
     _check(dact_AF, "d(act)", F)
     elem = _saved_codes_elem(hq, hs, (A, 2 * F), "triton_swiglu_quantize")
@@ -174,19 +177,25 @@ def triton_swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, out_dtype: t
     br, bc, w = _tile("swiglu_bwd")
     n_cb = triton.cdiv(F, bc) if F else 0
     parts = torch.zeros(A if row_dot else 0, n_cb, dtype=torch.float32, device=dev)
+    quant = dh_mode is not None
+    mode_code = _codes("e4m3" if elem == 0 else "e5m2", dh_mode)[2] if quant else 0
+    dhq = torch.empty(A if quant else 0, 2 * F if quant else 0, dtype=out_dtype, device=dev)
     if A and F:
+        cfg = _launch_settings("rows")
         km._swiglu_bwd_kernel[_grid(triton.cdiv(A, br) * n_cb, what="swiglu backward")](
             hq.view(torch.uint8), hs.view(torch.uint8), dact_AF.contiguous(), A, F, dh, act,
-            parts if row_dot else dh, ELEM=elem, SOFT_CASTS=_launch_settings("rows")["soft_casts"], ROW_DOT=row_dot,
-            BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-    return dh, act, parts.sum(dim=1) if row_dot else parts.new_empty(0)
+            parts if row_dot else dh, dhq if quant else dh, ELEM=elem, SOFT_CASTS=cfg["soft_casts"], ROW_DOT=row_dot,
+            QUANT_DH=quant, MODE=mode_code, HW_ROUND=cfg["hw_round"], BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+    return dh, act, parts.sum(dim=1) if row_dot else parts.new_empty(0), dhq
 
 
 @triton_swiglu_backward.register_fake
-def _(hq, hs, dact_AF, out_dtype, row_dot=False):
+def _(hq, hs, dact_AF, out_dtype, row_dot=False, dh_mode=None):
     A, F = dact_AF.shape
+    q = dh_mode is not None
     return (dact_AF.new_empty(A, 2 * F, dtype=out_dtype), dact_AF.new_empty(A, F, dtype=out_dtype),
-            dact_AF.new_empty(A if row_dot else 0, dtype=torch.float32))
+            dact_AF.new_empty(A if row_dot else 0, dtype=torch.float32),
+            dact_AF.new_empty(A if q else 0, 2 * F if q else 0, dtype=out_dtype))
 
 
 def _check_rows(rows: Tensor, name: str, n: int) -> None:

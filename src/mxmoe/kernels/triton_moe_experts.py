@@ -7,7 +7,8 @@
   (what the backward keeps instead of bf16), in one read of h.
 - ``_swiglu_bwd_kernel``: from the saved codes of gate and up and d(act): d(gate), d(up)
   and the recomputed activation (for the second GEMM's weight gradient), in one pass; with
-  ROW_DOT also each row's partial sums of act * d(act) (the router weights' gradient).
+  ROW_DOT also each row's partial sums of act * d(act) (the router weights' gradient), with
+  QUANT_DH also dh quantize-dequantized along 2F (the first GEMM's dgrad operand).
 - ``_combine_rows_backward_kernel``: from d(y) of each token and its combine weights,
   d(outputs) written back in expert-sorted order (the scatter that undoes the unpermute),
   one read of d(y); the weights' gradient comes from the expert op's backward.
@@ -107,8 +108,9 @@ def _swiglu_bwd_kernel(
     hq_ptr, hs_ptr, dact_ptr, A, F,  # saved codes (A, 2F), scale bytes (A, 2F / 32); d(act) (A, F)
     dh_ptr, act_ptr,  # outputs: d(gate) | d(up) (A, 2F); recomputed act (A, F)
     dot_ptr,  # with ROW_DOT: (A, cdiv(F, BLOCK_C)) float32 partial sums of act * d(act) over this tile's columns
-    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, ROW_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    dhq_ptr,  # with QUANT_DH: (A, 2F) dh rounded to dh's dtype, then MXFP8 quantize-dequantized along 2F
+    ELEM: tl.constexpr, SOFT_CASTS: tl.constexpr, ROW_DOT: tl.constexpr, QUANT_DH: tl.constexpr,
+    MODE: tl.constexpr, HW_ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rb, cb = _tile_of(tl.program_id(0), F, BLOCK_C)
     rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -128,8 +130,16 @@ def _swiglu_bwd_kernel(
     dg = da * u * (s * (1.0 + g * (1.0 - s)))
     du = da * silu
     dt = dh_ptr.dtype.element_ty
-    tl.store(dh_ptr + g_off, _from_float32(dg, dt, SOFT_CASTS), mask=mask)
-    tl.store(dh_ptr + g_off + F, _from_float32(du, dt, SOFT_CASTS), mask=mask)
+    dg_r, du_r = _from_float32(dg, dt, SOFT_CASTS), _from_float32(du, dt, SOFT_CASTS)
+    tl.store(dh_ptr + g_off, dg_r, mask=mask)
+    tl.store(dh_ptr + g_off + F, du_r, mask=mask)
+    if QUANT_DH:  # the dgrad operand: blocks of 32 along 2F lie within gate or within up (F % 32 == 0)
+        _, _, dgq = _row_blocks_qdq(tl.where(mask, _to_float32(dg_r, SOFT_CASTS), 0.0), ELEM, MODE, HW_ROUND,
+                                    BLOCK_R, BLOCK_C)
+        _, _, duq = _row_blocks_qdq(tl.where(mask, _to_float32(du_r, SOFT_CASTS), 0.0), ELEM, MODE, HW_ROUND,
+                                    BLOCK_R, BLOCK_C)
+        tl.store(dhq_ptr + g_off, _from_float32(dgq, dt, SOFT_CASTS), mask=mask)
+        tl.store(dhq_ptr + g_off + F, _from_float32(duq, dt, SOFT_CASTS), mask=mask)
     tl.store(act_ptr + rows[:, None] * F + cols[None, :],
              _from_float32(silu * u, act_ptr.dtype.element_ty, SOFT_CASTS), mask=mask)
     if ROW_DOT:

@@ -114,16 +114,17 @@ def swiglu_quantize(h_A2F: Tensor, recipe: Recipe) -> tuple[Tensor, Tensor, Tens
 
 
 def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe, row_dot: bool = False
-                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+                    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """From h's saved codes/scales and d(act) (A, F): dh = [d(gate) | d(up)] (A, 2F) and the
     recomputed act (A, F), both bf16, float32 math on the dequantized gate and up; with
     ``row_dot`` also (A,) float32 sum over F of act * d(act) (act before its bf16 rounding),
-    else None."""
+    else None; and dh's dgrad operand, dh quantized along 2F and dequantized to bf16 (on the
+    Triton path in the same pass)."""
     if use_triton_for(dact_AF, recipe):
         from ..kernels.moe_experts import triton_swiglu_backward
 
-        dh, act, dot = triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE, row_dot)
-        return dh, act, dot if row_dot else None
+        dh, act, dot, dhq = triton_swiglu_backward(hq, hs, dact_AF, GEMM_DTYPE, row_dot, recipe.scale_mode)
+        return dh, act, dot if row_dot else None, dhq
     A, F = dact_AF.shape
     mx = MXTensor(qdata=hq.reshape(A, 2, F), scale=hs.reshape(A, 2, F // BLOCK), fmt=ElemFormat.parse(recipe.fmt),
                   block_size=BLOCK, dim=2, scale_mode=recipe.scale_mode, orig_size=F)
@@ -135,7 +136,9 @@ def swiglu_backward(hq: Tensor, hs: Tensor, dact_AF: Tensor, recipe: Recipe, row
     dg = da * u * (s * (1.0 + g * (1.0 - s)))
     du = da * silu
     act = silu * u
-    return torch.cat([dg, du], dim=1).to(GEMM_DTYPE), act.to(GEMM_DTYPE), (act * da).sum(dim=1) if row_dot else None
+    dh = torch.cat([dg, du], dim=1).to(GEMM_DTYPE)
+    return (dh, act.to(GEMM_DTYPE), (act * da).sum(dim=1) if row_dot else None,
+            fake_quantize_operand(dh, recipe, dim=1, out_dtype=GEMM_DTYPE))
 
 
 def sum_token_rows(x_AD: Tensor, rows_A: Tensor, k: int, out_dtype: torch.dtype, recipe: Recipe) -> Tensor:
@@ -196,39 +199,41 @@ class _MXExpertsFunction(torch.autograd.Function):
         x_TD, w13, w2, src_A, offsets_E, hq, hs, weights_A = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
-        # w2: dgrad along D, wgrad along tokens
+        # w2 dgrad along D
         dyq = fake_quantize_operand(dy_AD, recipe, dim=1, out_dtype=GEMM_DTYPE)
         w2q = dgrad_operand(w2, recipe, GEMM_DTYPE, ctx.w2q_dgrad)  # (E, D, F) along D
         dact_AF = grouped_mm_nn(dyq, w2q, offsets_E, all_rows=True)  # (A, D) x (E, D, F) -> (A, F)
         del dyq, w2q
         with_w = weights_A is not None and ctx.needs_input_grad[5]
-        dh_A2F, act_AF, dot_A = swiglu_backward(hq, hs, dact_AF, recipe, row_dot=with_w)
+        dh_A2F, act_AF, dot_A, dhq = swiglu_backward(hq, hs, dact_AF, recipe, row_dot=with_w)
         del dact_AF
         d_weights = None
         if with_w:  # act . (w dy w2) / w = y . dy, the weight's gradient; 0 where w rounds to 0
             w_bf = weights_A.to(dy_AD.dtype).float()
             d_weights = torch.where(w_bf != 0, dot_A / torch.where(w_bf != 0, w_bf, 1.0), 0.0).to(weights_A.dtype)
+        # w13 dgrad along 2F (dhq: dh quantized in the SwiGLU backward's pass), then the
+        # un-permute (each token's k rows summed in a fixed order), before dhq and dx_AD wait
+        w13q = dgrad_operand(w13, recipe, GEMM_DTYPE, ctx.w13q_dgrad)  # (E, 2F, D) along 2F
+        dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
+        del dhq, w13q
+        A = dx_AD.shape[0]
+        T = ctx.T
+        k = A // T if T else 1
+        order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
+        dx_TD = sum_token_rows(dx_AD, order, k, ctx.x_dtype, recipe)
+        del dx_AD
+        # w2 wgrad along tokens
         dy_t, act_t, po = fake_quantize_grouped_tokens_pair(dy_AD, act_AF, offsets_E, recipe,
                                                             out_dtype=GEMM_DTYPE)  # (D, Ap), (F, Ap)
         dw2 = grouped_mm_tn(dy_t, act_t, po, nonempty_groups=True)  # (E, D, F); padded layout: empty experts give 0
         del dy_t, act_t, act_AF
-        # w13: dgrad along 2F, wgrad along tokens
-        dhq = fake_quantize_operand(dh_A2F, recipe, dim=1, out_dtype=GEMM_DTYPE)
-        w13q = dgrad_operand(w13, recipe, GEMM_DTYPE, ctx.w13q_dgrad)  # (E, 2F, D) along 2F
-        dx_AD = grouped_mm_nn(dhq, w13q, offsets_E, all_rows=True)  # (A, 2F) x (E, 2F, D) -> (A, D)
-        del dhq, w13q
+        # w13 wgrad along tokens
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
         xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
         x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
         del xg_q, xg_s
         dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets, nonempty_groups=True)  # (E, 2F, D)
         del dh_t, x_t
-        # un-permute: each token's k rows summed in a fixed order
-        A, D = dx_AD.shape
-        T = ctx.T
-        k = A // T if T else 1
-        order = torch.argsort(src_A, stable=True)  # the rows of token t, in increasing row order
-        dx_TD = sum_token_rows(dx_AD, order, k, ctx.x_dtype, recipe)
         return (dx_TD, widen_weight_grad(dw13, w13.dtype, recipe), widen_weight_grad(dw2, w2.dtype, recipe), None,
                 None, d_weights, None)
 
