@@ -299,6 +299,45 @@ def test_combine_rows_triton_equals_reference_and_the_plain_combine(k, dtype, D)
         assert _close_sums(o0, o2, (y_TkD * w.to(dtype).float().unsqueeze(-1)).abs().sum(1), k)
 
 
+def _weights_grad(w_A, x_saved_as_codes=False, seed=6):
+    """(y, dx, dw13, dw2, d(weights_A)) of mx_moe_experts with the rows weighted by w_A
+    (their gradient w_A dy, as combine_rows gives it)."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, E, D, F = 12, 2, 3, 64, 32
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    src, offsets = order // k, torch.cumsum(torch.bincount(experts.reshape(-1), minlength=E), 0).to(torch.int32)
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_(True)
+    w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.1).requires_grad_(True)
+    w2 = (torch.randn(E, D, F, generator=g) * 0.1).requires_grad_(True)
+    w = w_A.clone().requires_grad_(w_A.is_floating_point())
+    y = me.mx_moe_experts(x, src, offsets, w13, w2, REF, weights_A=w, x_saved_as_codes=x_saved_as_codes)
+    dy = torch.randn(T, D, generator=g).bfloat16()
+    y.backward(dy.index_select(0, src) * w_A.bfloat16().unsqueeze(1))
+    return y.detach(), x.grad, w13.grad, w2.grad, w.grad
+
+
+def test_weights_gradient_edges():
+    """d(weights_A) divides by the bf16-rounded weight (the rows' gradient was w dy with w
+    in bf16): weights that round alike give the same bits; a weight of 0 gives 0, not NaN;
+    keeping x's wgrad operand as codes (x_saved_as_codes, the expert-parallel layer's
+    choice) gives the same bits as keeping x."""
+    A = 24
+    ones = torch.ones(A)
+    a = _weights_grad(ones)
+    b = _weights_grad(ones + 2.0 ** -10)  # rounds to 1 in bf16
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    w = torch.rand(A, generator=torch.Generator().manual_seed(1)) + 0.1
+    w[::5] = 0.0
+    got = _weights_grad(w)
+    assert torch.isfinite(got[4]).all() and not got[4][::5].any() and got[4][1::5].abs().min() > 0
+    assert all(torch.equal(u, v) for u, v in zip(got, _weights_grad(w, x_saved_as_codes=True)))
+    with pytest.raises(TypeError, match="weights_A"):
+        _weights_grad(torch.ones(A, dtype=torch.int64))
+    with pytest.raises(ValueError, match="weights_A"):
+        _weights_grad(torch.ones(A + 1))
+
+
 def test_fused_layer_keeps_no_copy_of_the_expert_outputs():
     """The fused MoE layer: nothing of size A x D is saved for backward (the combine
     weights' gradient comes from the expert op); the router weight still gets its gradient."""

@@ -579,9 +579,10 @@ class ExpertParallelMoELayer(nn.Module):
         """The L local experts on the rows x_RD[src_R] (expert-major); returns their outputs
         in expert-major order. ``weights_R`` (the fused path): the combine weight of each
         received row, whose gradient the fused op returns."""
-        if weights_R is not None:
+        if weights_R is not None:  # x_RD is the receive buffer: keep x's wgrad operand as codes, not the buffer
             return mx_moe_experts(x_RD, src_R, offsets_L, self.experts.w13, self.experts.w2, self.recipe,
-                                  unrouted_tail=unrouted_tail, weights_A=weights_R.index_select(0, src_R))
+                                  unrouted_tail=unrouted_tail, weights_A=weights_R.index_select(0, src_R),
+                                  x_saved_as_codes=True)
         return self.experts(x_RD.index_select(0, src_R), offsets_L, self.recipe)
 
     def _combine(self, y_sorted_AD: Tensor, order_A: Tensor, weights_Tk: Tensor, fused: bool) -> Tensor:

@@ -518,7 +518,11 @@ class GroupedExperts(RecipeModule, nn.Module):
             experts_Tk: (T, k) int64 expert index of each choice, in [0, E). A token may
                 name one expert twice (both choices are computed).
             weights_Tk: (T, k) floating combine weights (not renormalized here; gradients
-                flow to them, so a router upstream learns through the combine).
+                flow to them, so a router upstream learns through the combine). On the
+                fused MXFP8 path the gradient of a weight that is 0 (or below about
+                1e-36) is 0 (:func:`~mxmoe.ops.moe_experts.mx_moe_experts`, ``weights_A``):
+                use ``fused=False`` where such a weight's gradient matters (a learned
+                gate that starts at 0).
 
         Returns:
             (T, D) in x's dtype. ``last_tokens_per_expert`` then holds the (E,) int64 counts

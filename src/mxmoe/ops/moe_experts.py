@@ -179,8 +179,11 @@ def _dequantize_grouped(q: Tensor, s: Tensor, recipe: Recipe) -> Tensor:
 class _MXExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor,
-                weights_A: Tensor | None, recipe: Recipe) -> Tensor:
+                weights_A: Tensor | None, recipe: Recipe, x_saved_as_codes: bool) -> Tensor:
         xq_AD = gather_fake_quantize_rows(x_TD, src_A, recipe)
+        # x's token-blocked wgrad operand: made here and kept as MXFP8 codes, or made in the
+        # backward from x itself (kept instead)
+        xg = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe) if x_saved_as_codes else None
         need_dx = ctx.needs_input_grad[0]  # the dgrad copies are made here only inside weight_copy_cache()
         w13q, ctx.w13q_dgrad = weight_operands(w13_E2FD, recipe, GEMM_DTYPE, dgrad=need_dx)  # along D
         h_A2F = grouped_mm_nt(xq_AD, w13q, offsets_E, all_rows=True)  # (A, D) x (E, 2F, D) -> (A, 2F)
@@ -189,14 +192,17 @@ class _MXExpertsFunction(torch.autograd.Function):
         del h_A2F
         w2q, ctx.w2q_dgrad = weight_operands(w2_EDF, recipe, GEMM_DTYPE, dgrad=any(ctx.needs_input_grad))  # F
         y_AD = grouped_mm_nt(act_AF, w2q, offsets_E, all_rows=True)  # (A, F) x (E, D, F) -> (A, D)
-        ctx.save_for_backward(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs, weights_A)
+        if xg is None:
+            ctx.save_for_backward(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs, weights_A)
+        else:
+            ctx.save_for_backward(None, w13_E2FD, w2_EDF, src_A, offsets_E, hq, hs, weights_A, *xg)
         ctx.recipe, ctx.T, ctx.x_dtype = recipe, x_TD.shape[0], x_TD.dtype
         return y_AD.to(x_TD.dtype)
 
     @staticmethod
     @no_double_backward("mx_moe_experts", "compute the expert GEMMs that need second-order gradients with plain torch ops (torch.matmul over each expert's rows)")
     def backward(ctx, dy_AD: Tensor):
-        x_TD, w13, w2, src_A, offsets_E, hq, hs, weights_A = ctx.saved_tensors
+        x_TD, w13, w2, src_A, offsets_E, hq, hs, weights_A, *xg = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         dy_AD = dy_AD.to(GEMM_DTYPE).contiguous()
         # w2 dgrad along D
@@ -229,13 +235,13 @@ class _MXExpertsFunction(torch.autograd.Function):
         del dy_t, act_t, act_AF
         # w13 wgrad along tokens
         dh_t, _ = fake_quantize_grouped_tokens(dh_A2F, offsets_E, recipe, out_dtype=GEMM_DTYPE)  # (2F, Ap)
-        xg_q, xg_s, padded_offsets = quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
+        xg_q, xg_s, padded_offsets = xg if xg else quantize_grouped_gather(x_TD, src_A, offsets_E, recipe)
         x_t = _dequantize_grouped(xg_q, xg_s, recipe)  # (D, Ap)
-        del xg_q, xg_s
+        del xg_q, xg_s, xg
         dw13 = grouped_mm_tn(dh_t, x_t, padded_offsets, nonempty_groups=True)  # (E, 2F, D)
         del dh_t, x_t
         return (dx_TD, widen_weight_grad(dw13, w13.dtype, recipe), widen_weight_grad(dw2, w2.dtype, recipe), None,
-                None, d_weights, None)
+                None, d_weights, None, None)
 
 
 def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
@@ -246,7 +252,7 @@ def supports_fused_experts(d_model: int, d_expert: int, recipe: Recipe) -> bool:
 
 @torch.compiler.disable
 def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offsets_E: Tensor, recipe: Recipe,
-           unrouted_tail: bool = False, weights_A: Tensor | None = None) -> Tensor:
+           unrouted_tail: bool = False, weights_A: Tensor | None = None, x_saved_as_codes: bool = False) -> Tensor:
     """The routing preconditions on the CPU (free there; on CUDA reading them back would
     sync), then the op. Eager under torch.compile (the note at
     ``mxmoe.ops.grouped_mm._apply``), so the checks hold there too."""
@@ -260,11 +266,12 @@ def _apply(x_TD: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor, src_A: Tensor, offset
             raise ValueError(f"src_A holds token index {low if low < 0 else high}; token indices are 0 .. T - 1 = {T - 1}")
         if not bool((torch.bincount(src_A, minlength=T) == k).all()):
             raise ValueError(f"every token must appear exactly k = {k} times in src_A")
-    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, weights_A, recipe)
+    return _MXExpertsFunction.apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, weights_A, recipe, x_saved_as_codes)
 
 
 def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Tensor, w2_EDF: Tensor,
-                   recipe: Recipe | str, unrouted_tail: bool = False, weights_A: Tensor | None = None) -> Tensor:
+                   recipe: Recipe | str, unrouted_tail: bool = False, weights_A: Tensor | None = None,
+                   x_saved_as_codes: bool = False) -> Tensor:
     """The SwiGLU experts of an MoE layer under an MXFP8 recipe, fused (module docstring).
 
     Args:
@@ -287,18 +294,28 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
             which is y_a . dy_t (y_a = act_a w2_e^T, d(y_a) = w_a dy_t) with the MXFP8
             operands of the backward's GEMMs: the w2 dgrad's output d(act) and act
             recomputed from h's MXFP8 copy, float32 sums (SonicMoE, arXiv 2512.14080,
-            takes the router-score gradient from its dgrad epilogue the same way). Where
-            w_a is 0 in bf16 the gradient is 0. The incoming gradient of the rows must be
-            w_a dy_t, as from combine_rows.
+            takes the router-score gradient from its dgrad epilogue the same way). The
+            incoming gradient of the rows must be w_a dy_t, as from combine_rows (with a
+            combine that also differentiates the weights, their gradient would count
+            twice). Where w_a dy_t underflows, the gradient is 0: w_a = 0 (a masked
+            choice) or |w_a| below about 1e-36 (MXFP8's smallest scale is 2^-127); a
+            softmax router's own gradient is 0 there anyway, but a weight whose upstream
+            derivative is not (a learned gate initialised at 0) needs the composed path
+            (``fused=False``).
+        x_saved_as_codes: keep x's token-blocked weight-gradient operand from the forward
+            as MXFP8 codes (D + D / 32 bytes per padded routed row) instead of x itself
+            (made from x in the backward). For callers whose x is a buffer nobody else
+            keeps and that holds more rows than are routed (the expert-parallel receive
+            buffer); in one process x is the router's input, kept anyway, and smaller.
 
     Returns:
         (A, D) in x's dtype: expert outputs of the sorted rows.
 
     Raises:
         TypeError: an argument is not a tensor, offsets not int32, src_A not an integer
-            tensor.
+            tensor, weights_A not a float tensor of 16 bits or more.
         ValueError: a tensor on the meta device or tensors on different devices,
-            unsupported recipe or shapes (x (T, D), w13 (E, 2F, D), w2 (E, D, F),
+            weights_A not (A,), unsupported recipe or shapes (x (T, D), w13 (E, 2F, D), w2 (E, D, F),
             offsets (E,), src_A (A,)), activations not bf16; on the CPU also offsets that
             break the contract (a negative start, a decrease, offsets[-1] != A), a token
             index outside 0 .. T - 1 or a token not appearing exactly k times. On CUDA these values are not checked (it would
@@ -345,9 +362,12 @@ def mx_moe_experts(x_TD: Tensor, src_A: Tensor, offsets_E: Tensor, w13_E2FD: Ten
                          f"{w2_EDF.device}")
     if weights_A is not None:
         check_tensor_args("mx_moe_experts", weights_A=weights_A)
-        if tuple(weights_A.shape) != (src_A.numel(),) or not weights_A.dtype.is_floating_point:
-            raise ValueError(f"weights_A must be a float tensor of shape (A,) = ({src_A.numel()},), one weight per "
-                             f"routed row, got {weights_A.dtype} {tuple(weights_A.shape)}")
+        if weights_A.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise TypeError(f"weights_A must be float32 (or another float dtype of 16+ bits), got {weights_A.dtype}")
+        if tuple(weights_A.shape) != (src_A.numel(),):
+            raise ValueError(f"weights_A must have shape (A,) = ({src_A.numel()},), one weight per routed row, got "
+                             f"{tuple(weights_A.shape)}")
         if weights_A.device != x_TD.device:
             raise ValueError(f"weights_A is on {weights_A.device}, x on {x_TD.device}: put them on one device")
-    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe, unrouted_tail, weights_A)
+    return _apply(x_TD, w13_E2FD, w2_EDF, src_A, offsets_E, recipe, unrouted_tail, weights_A,
+                  bool(x_saved_as_codes))
