@@ -168,8 +168,10 @@ def test_cu_seqlens_prepends_zero():
 
 
 def test_weighted_sum_token_rows_triton_equals_torch():
-    """The combine's weighted gather-sum: the Triton kernel (interpreter here) bit for bit
-    the torch path (float32, choice order, one rounding)."""
+    """The combine's weighted gather-sum: the Triton kernel in the interpreter bit for bit
+    the torch path (float32, choice order, one rounding); on a GPU the compiler may fuse
+    the multiply and add (the fused MXFP8 combine rounds each product first, which it
+    cannot)."""
     from mxmoe.kernels.moe_experts import triton_sum_token_rows
     from mxmoe.ops.moe_experts_gathered import weighted_sum_token_rows
 

@@ -45,7 +45,8 @@ GEMM_DTYPE = torch.bfloat16
 
 def weighted_sum_token_rows(y_AD: Tensor, rows_A: Tensor, scores_Tk: Tensor) -> Tensor:
     """(T, D) bf16: out[t] = sum over j of scores[t, j] * y[rows[t * k + j]] in float32, in
-    choice order, rounded once (the combine; a gather: deterministic)."""
+    choice order, rounded once (the combine; a gather: deterministic). On the GPU the
+    kernel's multiply and add may be fused (one rounding less than the torch path here)."""
     T, k = scores_Tk.shape
     if y_AD.is_cuda:
         from ..kernels.moe_experts import triton_sum_token_rows
