@@ -39,6 +39,7 @@ from .args import check_tensor_args
 from .autograd import no_double_backward
 from .backend import widen_weight_grad
 from .combine import inverse_permutation
+from .moe_experts import sum_token_rows
 
 GEMM_DTYPE = torch.bfloat16
 
@@ -59,16 +60,6 @@ def weighted_sum_token_rows(y_AD: Tensor, rows_A: Tensor, scores_Tk: Tensor) -> 
     for j in range(1, k):  # choice order, as the kernel
         acc = acc + y[:, j] * scores_Tk[:, j:j + 1].float()
     return acc.to(GEMM_DTYPE)
-
-
-def sum_token_rows_bf16(x_AD: Tensor, rows_A: Tensor, k: int) -> Tensor:
-    """(T, D) bf16: out[t] = sum over j of x[rows[t * k + j]] in float32, rounded once."""
-    if x_AD.is_cuda:
-        from ..kernels.moe_experts import triton_sum_token_rows
-
-        return triton_sum_token_rows(x_AD, rows_A, k, GEMM_DTYPE)
-    T = x_AD.shape[0] // k
-    return x_AD.index_select(0, rows_A).view(T, k, x_AD.shape[1]).float().sum(dim=1).to(GEMM_DTYPE)
 
 
 class _GatheredExpertsFunction(torch.autograd.Function):
@@ -106,7 +97,7 @@ class _GatheredExpertsFunction(torch.autograd.Function):
         dw13 = torch.empty_like(w13)
         quack_moe.gathered_weight_grad(x, src, cu, dh, dw13.permute(0, 2, 1), interleaved_b=True)
         del dh
-        dx_TD = sum_token_rows_bf16(dx_AD, inv_A, k).to(x_dtype)
+        dx_TD = sum_token_rows(dx_AD, inv_A, k, x_dtype, recipe)  # Triton on CUDA (the bf16 recipe's backend)
         d_scores = ds_A.index_select(0, inv_A).view(T, k).to(s_dtype)
         return (dx_TD, d_scores, widen_weight_grad(dw13, w13_dtype, recipe), widen_weight_grad(dw2, w2_dtype, recipe),
                 None, None, None, None)
