@@ -31,8 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mxmoe.distributed import CommStats, ExpertParallelMoELayer, dispatch_capacity, mx_row_bytes
 from mxmoe.distributed.sync import all_reduce_grads, split_parameters
 from mxmoe.nn.moe import MoELayer, routed_experts
-from mxmoe.recipe import get_recipe
-from ranks import worker_main
+from ranks import moe_layer, routed_inputs, worker_main
 
 D, E, K, F, TOKENS_PER_RANK = 64, 8, 2, 32, 40
 AUX_COEF, Z_COEF = 0.01, 0.001
@@ -102,22 +101,13 @@ class HostSyncRecorder:
 
 
 def make_layer(recipe: str, mx_dispatch: bool = False, shared: int = 0, skew_to: int | None = None) -> MoELayer:
-    torch.manual_seed(0)
-    layer = MoELayer(D, E, K, F, 2, get_recipe(recipe), shared_expert_hidden=shared, mx_dispatch=mx_dispatch)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.mul_(10)
-        if skew_to is not None:  # feature 0 is a large constant: experts skew_to.. score highest
-            layer.router.weight[skew_to:skew_to + K, 0] = 50.0
-    return layer
+    # skew_to: experts skew_to .. skew_to + K score highest (feature 0 a large constant)
+    skew = (slice(skew_to, skew_to + K), 50.0) if skew_to is not None else None
+    return moe_layer(D, E, K, F, recipe, mx_dispatch, shared, skew)
 
 
 def inputs(P: int, skew: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(P * TOKENS_PER_RANK, D, generator=g).to(torch.bfloat16)
-    if skew:
-        x[:, 0] = 4.0
-    return x, torch.randn(P * TOKENS_PER_RANK, D, generator=g)
+    return routed_inputs(P, TOKENS_PER_RANK, D, skew)
 
 
 def run_single(layer: MoELayer, x: torch.Tensor, G: torch.Tensor):

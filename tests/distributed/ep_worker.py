@@ -27,7 +27,7 @@ from mxmoe.nn.moe import MoELayer
 from mxmoe.recipe import get_recipe
 from mxmoe.train import TrainConfig, load_checkpoint, train
 from mxmoe.train.checkpoint import save_checkpoint
-from ranks import interrupted_run, worker_main
+from ranks import interrupted_run, moe_layer, routed_inputs, worker_main
 
 # layer shapes: D not a multiple of 32 (padded MX blocks), E divisible by 2 and 4
 D, E, K, F, TOKENS_PER_RANK = 40, 8, 2, 24, 37
@@ -43,22 +43,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_layer(recipe: str, mx_dispatch: bool, shared: int, empty_last: int) -> MoELayer:
-    torch.manual_seed(0)
-    layer = MoELayer(D, E, K, F, 2, get_recipe(recipe), shared_expert_hidden=shared, mx_dispatch=mx_dispatch)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.mul_(10)  # larger weights: varied routing and outputs
-        if empty_last:  # feature 0 is a large constant: these experts always score lowest
-            layer.router.weight[E - empty_last:, 0] = -50.0
-    return layer
+    # empty_last: the last experts always score lowest (feature 0 a large constant)
+    keep_away = (slice(E - empty_last, None), -50.0) if empty_last else None
+    return moe_layer(D, E, K, F, recipe, mx_dispatch, shared, keep_away)
 
 
 def layer_inputs(P: int, empty_last: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(P * TOKENS_PER_RANK, D, generator=g).to(torch.bfloat16)
-    if empty_last:
-        x[:, 0] = 4.0
-    return x, torch.randn(P * TOKENS_PER_RANK, D, generator=g)
+    return routed_inputs(P, TOKENS_PER_RANK, D, bool(empty_last))
 
 
 def run_single(layer: MoELayer, x: torch.Tensor, G: torch.Tensor):

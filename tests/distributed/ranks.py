@@ -2,8 +2,9 @@
 
 Test side: :func:`run_ranks` starts P worker processes with torchrun's environment (gloo
 on the CPU), waits with a hard timeout and reads back each rank's results. Rank side:
-:func:`worker_main` is a worker script's main, and :func:`interrupted_run` stops a run
-mid-way as Ctrl-C would.
+:func:`worker_main` is a worker script's main, :func:`interrupted_run` stops a run
+mid-way as Ctrl-C would, and :func:`moe_layer` / :func:`routed_inputs` build the
+single-process reference layer and its inputs (with a routing forced by feature 0).
 
 A worker is a script taking one argument, a task JSON path (with ``"out"``); rank r writes
 ``OUT/rank{r}.json`` (its measurements, or ``{"error": traceback}``) and logs to
@@ -21,6 +22,40 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def moe_layer(D: int, E: int, K: int, F: int, recipe: str, mx_dispatch: bool = False, shared: int = 0,
+              router_feature0: tuple[slice, float] | None = None):
+    """The reference MoELayer (seed 0, 2 layers' init, weights x 10 for varied routing and
+    outputs); ``router_feature0`` = (experts, value) sets those experts' router weight on
+    feature 0, which :func:`routed_inputs` makes a large constant: value > 0 sends tokens
+    to them, value < 0 keeps them away."""
+    import torch
+
+    from mxmoe.nn.moe import MoELayer
+    from mxmoe.recipe import get_recipe
+
+    torch.manual_seed(0)
+    layer = MoELayer(D, E, K, F, 2, get_recipe(recipe), shared_expert_hidden=shared, mx_dispatch=mx_dispatch)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(10)
+        if router_feature0 is not None:
+            experts, value = router_feature0
+            layer.router.weight[experts, 0] = value
+    return layer
+
+
+def routed_inputs(P: int, tokens_per_rank: int, D: int, constant_feature0: bool):
+    """(x (P * tokens_per_rank, D) bf16, the output gradient G (same shape) float32), seed
+    1; with ``constant_feature0`` x's feature 0 is 4.0 (the routing of :func:`moe_layer`)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(P * tokens_per_rank, D, generator=g).to(torch.bfloat16)
+    if constant_feature0:
+        x[:, 0] = 4.0
+    return x, torch.randn(P * tokens_per_rank, D, generator=g)
 
 
 def free_port() -> int:
